@@ -1,0 +1,570 @@
+"""Lab 01: DistributedDataParallel (DDP), from one process to many.
+
+What it teaches: every rank holds a full replica; after backward, DDP all-reduces the gradients
+(bucketed, overlapped with backward) so every replica takes the same optimizer step. The run
+proves it: `--check-parity` retrains the same global batches in one process and compares every
+parameter (fp32 on CPU: max |diff| must be <= 1e-5).
+
+Launch (the same file everywhere; the backend follows the hardware):
+    python labs/lab01_ddp.py                                   # 1 process, no torchrun
+    torchrun --nproc-per-node 2 labs/lab01_ddp.py --check-parity   # CPU + gloo, or GPUs + nccl
+    torchrun --nproc-per-node 8 labs/lab01_ddp.py              # one node with 8 GPUs
+    # two nodes (run on each; same --rdzv-id everywhere, node 0's address as the endpoint):
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint $HEAD_NODE:29400 --rdzv-id $JOB_ID labs/lab01_ddp.py
+
+Minimum world size: 1. Expected last line (numbers vary slightly with hardware):
+    done | lab01_ddp | gloo x2 | 40 steps | loss 0.6... | parity 1.2e-07 | ...
+Lesson: lessons/01_ddp.py. Runbooks: runbooks/ (OOM, NCCL hangs, DataLoader stalls).
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import resource
+import socket
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+LAB_NAME = "lab01_ddp"
+
+
+# --8<-- [start:cli]
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; a lab prints one line and exits 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail_config(flag, message):
+    """Reject a bad value before any process group exists: one line, exit status 2."""
+    print(f"{Path(sys.argv[0]).name}: error: {flag}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def add_common_args(parser):
+    arg = parser.add_argument
+    arg("--steps", type=int, default=40, help="optimizer steps in total")
+    arg("--batch-size", type=int, default=16, help="global batch, in sequences per optimizer step")
+    arg("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    arg("--seq-len", type=int, default=32, help="tokens per sequence")
+    arg("--dim", type=int, default=64, help="model width")
+    arg("--num-layers", type=int, default=2, help="transformer blocks")
+    arg("--num-heads", type=int, default=4, help="attention heads")
+    arg("--vocab-size", type=int, default=64, help="vocabulary size")
+    arg("--num-samples", type=int, default=512, help="synthetic dataset size (sequences)")
+    arg("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    arg("--clip", type=float, default=1.0, help="max gradient norm (0 disables clipping)")
+    arg("--seed", type=int, default=0, help="seed for init, data order and RNG")
+    arg("--device", choices=["auto", "cpu", "cuda"], default="auto",
+        help="auto: cuda + nccl when every local rank has a GPU, else cpu + gloo")
+    arg("--amp", choices=["auto", "bf16", "off"], default="auto",
+        help="autocast dtype for the forward pass; auto = bf16 on cuda, off (fp32) on cpu")
+    arg("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    arg("--timeout-s", type=float, default=120.0,
+        help="seconds any collective or worker may block before it becomes an error")
+    arg("--log-every", type=int, default=10, help="steps between log lines")
+    arg("--checkpoint-dir", default="", help="where checkpoints go; resumes from the newest")
+    arg("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: end only)")
+    arg("--resume", action="store_true", help="require a checkpoint in --checkpoint-dir")
+    arg("--stop-at-step", type=int, default=0,
+        help="checkpoint and stop after this step, as if interrupted (0: run to --steps)")
+    arg("--metrics-out", default="", help="write the final metrics JSON here (rank 0)")
+    arg("--check-parity", action="store_true",
+        help="retrain in one process on the same global batches and compare parameters")
+    arg("--parity-tol", type=float, default=1e-5, help="max |param diff| allowed by --check-parity")
+
+
+def validate_common(cfg, world_size):
+    positive = ["steps", "batch_size", "grad_accum", "seq_len", "dim", "num_layers",
+                "num_heads", "vocab_size", "num_samples", "lr", "timeout_s", "log_every"]
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
+    for name in ["clip", "num_workers", "checkpoint_every", "stop_at_step", "parity_tol"]:
+        if getattr(cfg, name) < 0:
+            fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
+    if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
+        fail_config("--dim", f"{cfg.dim} must split into --num-heads {cfg.num_heads} even-sized heads")
+    per_micro_step = world_size * cfg.grad_accum
+    if cfg.batch_size % per_micro_step:
+        fail_config("--batch-size", f"{cfg.batch_size} must be divisible by world size x "
+                    f"--grad-accum = {world_size} x {cfg.grad_accum}")
+    if cfg.num_samples < cfg.batch_size:
+        fail_config("--num-samples", f"{cfg.num_samples} is smaller than one global batch")
+    if cfg.stop_at_step > cfg.steps:
+        fail_config("--stop-at-step", f"{cfg.stop_at_step} is beyond --steps {cfg.steps}")
+    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step) and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every and --stop-at-step")
+    if cfg.resume and not latest_checkpoint(cfg.checkpoint_dir):
+        fail_config("--resume", f"no complete checkpoint in {cfg.checkpoint_dir}")
+    if cfg.device == "cuda" and torch.cuda.device_count() < local_world_size():
+        fail_config("--device", f"cuda needs one GPU per local rank: {local_world_size()} ranks, "
+                    f"{torch.cuda.device_count()} GPUs visible; use --device cpu")
+    if cfg.check_parity and resolve_amp(cfg, pick_device_type(cfg)) != "off":
+        fail_config("--check-parity", "needs fp32 (--amp off): bf16 rounding is far above 1e-5")
+# --8<-- [end:cli]
+
+
+def parse_config(argv=None):
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="DDP gradient bucket size; one all-reduce per full bucket")
+    cfg = parser.parse_args(argv)
+    validate_common(cfg, world_size_from_env())
+    if cfg.bucket_cap_mb <= 0:
+        fail_config("--bucket-cap-mb", f"must be > 0, got {cfg.bucket_cap_mb}")
+    return cfg
+
+
+# --8<-- [start:setup]
+def world_size_from_env():
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_world_size():
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def pick_device_type(cfg):
+    if cfg.device != "auto":
+        return cfg.device
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size()
+    return "cuda" if enough_gpus else "cpu"
+
+
+def resolve_amp(cfg, device_type):
+    if cfg.amp == "auto":
+        return "bf16" if device_type == "cuda" else "off"
+    return cfg.amp
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(cfg):
+    """Start the process group; without torchrun, become a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    device_type = pick_device_type(cfg)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if device_type == "cuda":
+        # set_device first: otherwise every rank's NCCL communicator lands on cuda:0.
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return rank, dist.get_world_size(), device
+
+
+def teardown_distributed():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+# --8<-- [end:setup]
+
+
+# --8<-- [start:model]
+def initial_value(name, shape, seed):
+    """Initial value of one parameter, keyed by its name: the same on every rank, whatever
+    the parallel layout, so sharded and pipelined labs can build it piece by piece."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = 0.02 if "embeddings" in name else 1.0 / math.sqrt(shape[-1])
+    return torch.randn(shape, generator=generator) * std
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq_len, head_dim, device):
+    """Rotary-embedding cos/sin, computed per call: no buffers, so DDP has none to broadcast."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.head_dim = dim // num_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        bsz, seq_len, _ = x.shape
+        # -1 heads: tensor parallel shards wq/wk/wv by heads, and this still works unchanged.
+        q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        cos, sin = rope_tables(seq_len, self.head_dim, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim)
+        self.attention = Attention(dim, num_heads)
+        self.ffn_norm = RMSNorm(dim)
+        self.feed_forward = FeedForward(dim, 4 * dim)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    """Llama-style decoder. Layers live in a ModuleDict keyed by index, so a pipeline stage can
+    delete the others (and set tok_embeddings / norm / output to None) without renaming."""
+
+    def __init__(self, vocab_size, dim, num_layers, num_heads):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, num_heads) for i in range(num_layers)})
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        for name, param in self.named_parameters():
+            param.copy_(initial_value(name, param.shape, seed))
+
+
+def build_model(cfg):
+    return TinyLlama(cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.num_heads)
+# --8<-- [end:model]
+
+
+# --8<-- [start:data]
+class SyntheticSequences(Dataset):
+    """Arithmetic token sequences: start + stride * t (mod vocab). Sample i is a pure function of
+    (seed, i), so every rank and every rerun sees the same data. After two tokens the rest is
+    predictable, so the loss falls well below ln(vocab)."""
+
+    def __init__(self, num_samples, seq_len, vocab_size, seed):
+        self.num_samples, self.seq_len, self.vocab_size, self.seed = (
+            num_samples, seq_len, vocab_size, seed)
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        generator = torch.Generator().manual_seed(self.seed * 7919 + index)
+        start, stride = torch.randint(0, self.vocab_size, (2,), generator=generator).tolist()
+        tokens = (start + (1 + stride % 7) * torch.arange(self.seq_len + 1)) % self.vocab_size
+        return tokens[:-1], tokens[1:]
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start mid-epoch, so a resumed run sees exactly the batches
+    the interrupted one would have seen next."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start_index = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start_index:])
+
+    def __len__(self):
+        return self.num_samples - self.start_index
+
+
+def micro_batches(cfg, rank, world_size, start_step):
+    """Yield this rank's micro-batches forever, starting at optimizer step `start_step`."""
+    dataset = SyntheticSequences(cfg.num_samples, cfg.seq_len, cfg.vocab_size, cfg.seed)
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                          shuffle=True, seed=cfg.seed, drop_last=True)
+    micro_batch = cfg.batch_size // (world_size * cfg.grad_accum)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True,
+                        num_workers=cfg.num_workers,
+                        timeout=cfg.timeout_s if cfg.num_workers else 0)
+    per_epoch = sampler.num_samples // micro_batch
+    epoch, skip = divmod(start_step * cfg.grad_accum, per_epoch)
+    while True:
+        sampler.set_epoch(epoch)  # without this every epoch repeats the same order
+        sampler.start_index = skip * micro_batch
+        yield from loader
+        epoch, skip = epoch + 1, 0
+# --8<-- [end:data]
+
+
+# --8<-- [start:metrics]
+def peak_memory_bytes(device):
+    """CUDA: peak bytes allocated by tensors. CPU: peak resident set size of the process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def log_line(step, loss, step_s, tokens_per_s, data_share, mem_bytes):
+    return (f"step {step:4d} | loss {loss:.4f} | {step_s * 1e3:.1f} ms | "
+            f"{tokens_per_s:.0f} tok/s | data {data_share:.0%} | mem {mem_bytes / 2**30:.2f} GiB")
+
+
+def write_json_atomic(path, payload):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, path)
+
+
+def summary_line(metrics):
+    parity = metrics["parity_max_abs_diff"]
+    return (f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']} | "
+            f"{metrics['steps']} steps | loss {metrics['final_loss']:.4f} | parity "
+            f"{'n/a' if parity is None else f'{parity:.1e}'} | "
+            f"{metrics['tokens_per_s']:.0f} tok/s | {metrics['wall_time_s']:.1f} s")
+# --8<-- [end:metrics]
+
+
+# The point of the lab: wrap in DDP, accumulate without syncing, checkpoint from rank 0.
+def apply_ddp(model, device, cfg):
+    # Gradients are all-reduced in buckets of ~bucket_cap_mb, each launched as soon as its
+    # gradients are ready, so communication overlaps the rest of backward.
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
+
+
+def inspect_ddp(ddp_model, world_size):
+    """What every rank should hold: a full replica, identical everywhere."""
+    params = list(ddp_model.module.parameters())
+    checksum = torch.stack([p.detach().double().sum() for p in params]).sum().reshape(1)
+    gathered = [torch.zeros_like(checksum) for _ in range(world_size)]
+    dist.all_gather(gathered, checksum)
+    assert all(torch.equal(g, checksum) for g in gathered), "replicas differ after DDP init"
+    return sum(p.numel() for p in params)
+
+
+def checkpoint_path(directory, step):
+    return Path(directory) / f"step_{step:08d}.pt"
+
+
+def latest_checkpoint(directory):
+    """Newest complete checkpoint. Half-written files end in .tmp and never match."""
+    found = sorted(Path(directory).glob("step_*.pt")) if directory else []
+    return found[-1] if found else None
+
+
+def save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size):
+    # Every rank's RNG state (dropout, sampling) travels to rank 0 with a collective.
+    rng_states = [None] * world_size
+    dist.all_gather_object(rng_states, torch.get_rng_state())
+    if rank == 0:
+        state = {"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                 "step": step, "world_size": world_size, "rng": rng_states}
+        final = checkpoint_path(cfg.checkpoint_dir, step)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(final.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)  # atomic: a reader sees the old set of files or the new one
+        for old in sorted(final.parent.glob("step_*.pt"))[:-2]:
+            old.unlink()
+    dist.barrier()  # nobody races ahead while rank 0 is still writing
+
+
+def load_checkpoint(cfg, model, optimizer, rank, device):
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    if path is None:
+        return 0
+    # weights_only: never unpickle arbitrary code; map_location: never onto cuda:0 by accident.
+    state = torch.load(path, map_location=device, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    rng = state["rng"][rank] if rank < len(state["rng"]) else state["rng"][0]
+    torch.set_rng_state(rng.cpu())
+    if rank == 0:
+        print(f"resumed from {path} at step {state['step']}", flush=True)
+    return state["step"]
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def train_step(model, optimizer, batches, cfg, device, amp_dtype):
+    """One optimizer step of grad_accum micro-steps. Returns (loss, data-wait seconds)."""
+    data_s, total_loss = 0.0, 0.0
+    for micro in range(cfg.grad_accum):
+        t0 = time.perf_counter()
+        inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))
+        data_s += time.perf_counter() - t0
+        # no_sync on all but the last micro-step: gradients accumulate locally and are
+        # all-reduced once per optimizer step instead of once per micro-step.
+        last = micro == cfg.grad_accum - 1
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits = model(inputs)
+            loss = loss_fn(logits, targets) / cfg.grad_accum
+            loss.backward()
+        total_loss += loss.detach()
+    if cfg.clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total_loss, data_s
+
+
+def train_reference(cfg, world_size, device):
+    """The single-process run that DDP must match: same init, and each step accumulates the
+    gradients of every rank's micro-batches in one process (what DDP's all-reduce computes:
+    the mean gradient of the global batch), with no communication at all."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg).to(device)
+    model.init_weights(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    streams = [micro_batches(cfg, r, world_size, 0) for r in range(world_size)]
+
+    def rank_major_micro_batches():
+        while True:
+            for stream in streams:
+                for _ in range(cfg.grad_accum):
+                    yield next(stream)
+
+    batches = rank_major_micro_batches()
+    accumulate_all = argparse.Namespace(**{**vars(cfg), "grad_accum": world_size * cfg.grad_accum})
+    losses = [train_step(model, optimizer, batches, accumulate_all, device, None)[0].item()
+              for _ in range(cfg.steps)]
+    return model, losses
+
+
+def check_parity(cfg, ddp_model, world_size, device):
+    reference, ref_losses = train_reference(cfg, world_size, device)
+    max_diff = max((p - q).abs().max().item() for p, q in
+                   zip(ddp_model.module.parameters(), reference.parameters()))
+    return max_diff, ref_losses
+
+
+def train(cfg, rank, world_size, device):
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg).to(device)
+    model.init_weights(cfg.seed)
+    ddp_model = apply_ddp(model, device, cfg)
+    num_params = inspect_ddp(ddp_model, world_size)
+    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
+    start_step = load_checkpoint(cfg, model, optimizer, rank, device)
+    amp_dtype = torch.bfloat16 if resolve_amp(cfg, device.type) == "bf16" else None
+    batches = micro_batches(cfg, rank, world_size, start_step)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    last_step = cfg.stop_at_step or cfg.steps
+    losses, step_times = [], []
+    if rank == 0:
+        print(f"{LAB_NAME} | {dist.get_backend()} x{world_size} | {device} | "
+              f"{num_params:,} params | steps {start_step + 1}..{last_step}", flush=True)
+    for step in range(start_step + 1, last_step + 1):
+        t0 = time.perf_counter()
+        loss, data_s = train_step(ddp_model, optimizer, batches, cfg, device, amp_dtype)
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean loss over all ranks
+        step_s = time.perf_counter() - t0
+        losses.append([step, loss.item()])
+        step_times.append(step_s)
+        if rank == 0 and (step % cfg.log_every == 0 or step == last_step):
+            print(log_line(step, loss.item(), step_s, tokens_per_step / step_s,
+                           data_s / step_s, peak_memory_bytes(device)), flush=True)
+        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                                   or step == last_step):
+            save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size)
+    return ddp_model, losses, step_times
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    wall_start = time.perf_counter()
+    rank, world_size, device = init_distributed(cfg)
+    try:
+        ddp_model, losses, step_times = train(cfg, rank, world_size, device)
+        peaks = [None] * world_size
+        dist.all_gather_object(peaks, peak_memory_bytes(device))
+        parity, ref_losses = None, None
+        if cfg.check_parity and rank == 0:
+            parity, ref_losses = check_parity(cfg, ddp_model, world_size, device)
+        dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
+        if rank == 0:
+            steady = step_times[1:] or step_times
+            metrics = {
+                "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
+                "world_size": world_size, "steps": losses[-1][0] if losses else 0,
+                "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
+                "reference_losses": ref_losses, "parity_max_abs_diff": parity,
+                "parity_tol": cfg.parity_tol,
+                "tokens_per_s": cfg.batch_size * cfg.seq_len * len(steady) / sum(steady),
+                "peak_mem_bytes_per_rank": peaks,
+                "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
+                "wall_time_s": time.perf_counter() - wall_start,
+                "torch_version": torch.__version__, "config": vars(cfg),
+            }
+            if cfg.metrics_out:
+                write_json_atomic(cfg.metrics_out, metrics)
+            print(summary_line(metrics), flush=True)
+            if parity is not None and parity > cfg.parity_tol:
+                sys.exit(f"parity check failed: max |param diff| {parity:.2e} > {cfg.parity_tol:.0e}")
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    main()
