@@ -25,6 +25,7 @@ import json
 import math
 import os
 import resource
+import signal
 import socket
 import sys
 import time
@@ -86,6 +87,9 @@ def add_common_args(parser):
     arg("--check-parity", action="store_true",
         help="retrain in one process on the same global batches and compare parameters")
     arg("--parity-tol", type=float, default=1e-5, help="max |param diff| allowed by --check-parity")
+    arg("--fail-at-step", type=int, default=0,
+        help="fault drill: --fail-rank dies abruptly at this step, first attempt only (0: never)")
+    arg("--fail-rank", type=int, default=0, help="fault drill: which rank dies")
 
 
 def validate_common(cfg, world_size):
@@ -94,7 +98,8 @@ def validate_common(cfg, world_size):
     for name in positive:
         if getattr(cfg, name) <= 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
-    for name in ["clip", "num_workers", "checkpoint_every", "stop_at_step", "parity_tol"]:
+    for name in ["clip", "num_workers", "checkpoint_every", "stop_at_step", "parity_tol",
+                 "fail_at_step", "fail_rank"]:
         if getattr(cfg, name) < 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
@@ -105,6 +110,8 @@ def validate_common(cfg, world_size):
                     f"--grad-accum = {world_size} x {cfg.grad_accum}")
     if cfg.num_samples < cfg.batch_size:
         fail_config("--num-samples", f"{cfg.num_samples} is smaller than one global batch")
+    if cfg.fail_rank >= world_size:
+        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
     if cfg.stop_at_step > cfg.steps:
         fail_config("--stop-at-step", f"{cfg.stop_at_step} is beyond --steps {cfg.steps}")
     if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step) and not cfg.checkpoint_dir:
@@ -378,6 +385,37 @@ def summary_line(metrics):
 # --8<-- [end:metrics]
 
 
+# --8<-- [start:faults]
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, rerun me"
+
+
+def maybe_inject_failure(cfg, step, rank):
+    """--fail-at-step K --fail-rank R: rank R dies abruptly (no cleanup) at step K. Only on the
+    first attempt, so the run that torchrun restarts can get past it."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and step == cfg.fail_at_step and rank == cfg.fail_rank:
+        print(f"injected failure: rank {rank} exits at step {step}", file=sys.stderr, flush=True)
+        os._exit(13)
+
+
+class PreemptionWatch:
+    """SIGTERM (a scheduler preempting the job) only raises a flag; the loop finishes the
+    step, and all ranks agree with one all-reduce so they checkpoint and stop together."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, device):
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+# --8<-- [end:faults]
+
+
 # The point of the lab: wrap in DDP, accumulate without syncing, checkpoint from rank 0.
 def apply_ddp(model, device, cfg):
     # Gradients are all-reduced in buckets of ~bucket_cap_mb, each launched as soon as its
@@ -515,7 +553,9 @@ def train(cfg, rank, world_size, device):
     if rank == 0:
         print(f"{LAB_NAME} | {dist.get_backend()} x{world_size} | {device} | "
               f"{num_params:,} params | steps {start_step + 1}..{last_step}", flush=True)
+    preemption = PreemptionWatch()
     for step in range(start_step + 1, last_step + 1):
+        maybe_inject_failure(cfg, step, rank)
         t0 = time.perf_counter()
         loss, data_s = train_step(ddp_model, optimizer, batches, cfg, device, amp_dtype)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean loss over all ranks
@@ -525,9 +565,16 @@ def train(cfg, rank, world_size, device):
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):
             print(log_line(step, loss.item(), step_s, tokens_per_step / step_s,
                            data_s / step_s, peak_memory_bytes(device)), flush=True)
+        preempted = preemption.agreed(device)
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-                                   or step == last_step):
+                                   or step == last_step or preempted):
             save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size)
+        if preempted:
+            if rank == 0:
+                print(f"preempted: checkpoint at step {step} written, exiting "
+                      f"{PREEMPTED_EXIT_CODE}", flush=True)
+            teardown_distributed()
+            sys.exit(PREEMPTED_EXIT_CODE)
     return ddp_model, losses, step_times
 
 

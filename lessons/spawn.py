@@ -1,0 +1,57 @@
+"""Start N real processes from a notebook cell and collect what each one returns.
+
+Notebook cells cannot hold the worker functions: the spawn start method re-imports them by
+module name in every child, so they live in small modules next to the lessons
+(e.g. `ddp_workers.py`). Each child joins a gloo process group on 127.0.0.1 and the call
+returns the per-rank results, or raises (never hangs) after `timeout_s`.
+"""
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank, fn, world_size, port, out_dir, timeout_s, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # N processes share this machine's cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn, world_size, *args, timeout_s=60):
+    """Run fn(rank, world_size, *args) in world_size processes; return [result of rank 0, ...].
+
+    Results travel back through torch.save files, so tensors, numbers and dicts all work.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _child, args=(fn, world_size, _free_port(), out_dir, timeout_s, args),
+            nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s + 30  # + time to start Python and import torch
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish "
+                                   f"within {timeout_s + 30:.0f}s")
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
+                for r in range(world_size)]

@@ -1,0 +1,74 @@
+"""Run labs and drills the way a learner does: under torchrun, as separate processes.
+
+Every launch has a timeout, and a failure shows the full output of every rank, so a broken
+test says which rank broke and how.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LABS = REPO / "labs"
+PYTHON = sys.executable
+
+
+class LaunchError(AssertionError):
+    pass
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def quiet_env(extra=None):
+    """Environment for child jobs: one OpenMP thread per rank (2 cores here), no torchrun
+    banner about it, and the caller's additions."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env.update(extra or {})
+    return env
+
+
+def torchrun_cmd(script, nproc, args=(), rdzv="standalone", extra_torchrun=()):
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if rdzv == "standalone":
+        cmd += ["--standalone"]
+    else:  # static rendezvous on a fresh port, so parallel tests never collide
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    return cmd + [*extra_torchrun, str(script), *map(str, args)]
+
+
+def run(cmd, timeout=180, env=None, check=True, cwd=None):
+    """Run a command; on failure or timeout raise with everything it printed."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=quiet_env(env), cwd=cwd or REPO)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        raise LaunchError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
+                          f"--- stdout ---\n{out}\n--- stderr ---\n{err}") from None
+    if check and proc.returncode != 0:
+        raise LaunchError(f"exit {proc.returncode}: {' '.join(cmd)}\n"
+                          f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+    return proc
+
+
+def run_lab(lab, nproc, args=(), tmp_path=None, timeout=180, env=None, check=True):
+    """Launch labs/<lab>.py under torchrun (or plain python when nproc == 0) and return
+    (completed process, metrics dict or None)."""
+    script = LABS / f"{lab}.py"
+    metrics_path = Path(tmp_path) / f"{lab}-{nproc}-{free_port()}.json" if tmp_path else None
+    args = [*args, *(["--metrics-out", metrics_path] if metrics_path else [])]
+    cmd = [PYTHON, str(script), *map(str, args)] if nproc == 0 else torchrun_cmd(script, nproc, args)
+    proc = run(cmd, timeout=timeout, env=env, check=check)
+    metrics = json.loads(metrics_path.read_text()) if metrics_path and metrics_path.exists() else None
+    return proc, metrics
