@@ -7,7 +7,11 @@ import os
 import sys
 from pathlib import Path
 
-import nbformat
+from unittest import mock
+
+import jupytext
+import nbval.plugin
+import pytest
 from nbval.plugin import IPyNbFile
 
 ROOT = Path(__file__).resolve().parent
@@ -21,9 +25,15 @@ _failed_nodeids = set()
 
 
 class LessonNotebook(IPyNbFile):
-    """nbval's notebook collector that also saves the outputs once every cell passed."""
+    """nbval's notebook collector, fed from the Jupytext source (lessons/NN_x.py), that saves
+    the outputs once every cell has passed. The node keeps the .py path, so
+    `pytest lessons/01_ddp.py` selects it, and the kernel starts in lessons/, as in JupyterLab."""
 
-    lesson = None
+    def collect(self):
+        notebook = jupytext.read(self.path)
+        # nbval reads self.fspath with nbformat.read; hand it the converted notebook instead.
+        with mock.patch.object(nbval.plugin.nbformat, "read", lambda *args, **kw: notebook):
+            yield from super().collect()
 
     def teardown(self):
         super().teardown()
@@ -31,15 +41,25 @@ class LessonNotebook(IPyNbFile):
         if cells and not any(c.nodeid in _failed_nodeids for c in cells):
             for item in cells:
                 item.cell.outputs = item.test_outputs or []
-            lesson_tools.save_executed(self.lesson, self.nb)
+            lesson_tools.save_executed(self.path, self.nb)
 
 
 def pytest_collect_file(file_path, parent):
     if lesson_tools.is_lesson(file_path):
-        notebook_path = lesson_tools.write_notebook(file_path)
-        collector = LessonNotebook.from_parent(parent, path=notebook_path)
-        collector.lesson = file_path
-        return collector
+        return LessonNotebook.from_parent(parent, path=file_path)
+
+
+class NotAPythonTestModule(pytest.File):
+    def collect(self):
+        return []
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    """`pytest lessons/01_ddp.py` names the file explicitly, and pytest would then import it as
+    a test module (running the whole lesson at collection). The notebook collector above is
+    the only way a lesson runs."""
+    if lesson_tools.is_lesson(module_path):
+        return NotAPythonTestModule.from_parent(parent, path=module_path)
 
 
 def pytest_runtest_logreport(report):

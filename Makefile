@@ -1,0 +1,55 @@
+# Distributed PyTorch, Hands-On: two commands.
+#   make course   run every lab, execute every lesson, build the site, print a summary
+#   make test     the full test suite (what CI runs)
+#
+# Environment: the active one if any (a venv, or conda from environment.yml), else ./.venv,
+# created on first use. Versions: requirements.txt gives the supported ranges; constraints.txt
+# pins what CI runs (torch 2.13.0 CPU). On a GPU machine keep your own torch build with
+#   make test CONSTRAINTS=
+SHELL := /bin/bash
+BOOTSTRAP_PYTHON ?= python3
+CONSTRAINTS ?= constraints.txt
+
+ifdef VIRTUAL_ENV
+  PY := $(VIRTUAL_ENV)/bin/python
+else ifdef CONDA_PREFIX
+  PY := $(CONDA_PREFIX)/bin/python
+else
+  PY := .venv/bin/python
+endif
+
+PIP_CONSTRAINTS := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+
+.PHONY: course test deps browser site clean
+
+course: deps
+	$(PY) tools/course.py
+
+test: deps browser
+	$(PY) -m pytest
+
+deps:
+	@if [ ! -x "$(PY)" ]; then \
+		echo ">> creating .venv with $(BOOTSTRAP_PYTHON)"; \
+		$(BOOTSTRAP_PYTHON) -m venv .venv; \
+	fi
+	@echo ">> installing requirements into $$($(PY) -c 'import sys; print(sys.prefix)')"
+	@$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt $(PIP_CONSTRAINTS)
+
+# The site tests drive a real headless Chromium. Debian/Ubuntu: installed here if missing
+# (needs root or sudo). Elsewhere: install Chromium and set COURSE_CHROMIUM=/path/to/chromium.
+browser:
+	@if [ -n "$$COURSE_CHROMIUM" ] || command -v chromium >/dev/null; then exit 0; fi; \
+	if command -v apt-get >/dev/null; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		echo ">> installing chromium (apt-get)"; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; \
+	else \
+		echo ">> chromium not found: the browser tests will say so (set COURSE_CHROMIUM)"; \
+	fi
+
+site: deps
+	$(PY) -m mkdocs build --strict
+
+clean:
+	rm -rf build site .pytest_cache

@@ -1,0 +1,121 @@
+"""`make course`: run every lab, execute every lesson, build the site, print a summary.
+
+Labs run with their default (short) config on the hardware present: each lab itself picks
+CUDA + NCCL when every rank has a GPU, else CPU + gloo. Outputs go to build/course/.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lessons as lesson_tools  # tools/lessons.py (this directory is on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "build" / "course"
+LAB_GLOB = "lab[0-9][0-9]_*.py"
+
+
+def lab_paths():
+    return sorted((ROOT / "labs").glob(LAB_GLOB))
+
+
+def default_world_size():
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2
+
+
+def run_lab(lab, nproc, timeout_s):
+    metrics_path = OUT / f"{lab.stem}.json"
+    metrics_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), str(lab), "--check-parity", "--amp", "off",
+           "--metrics-out", str(metrics_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    (OUT / f"{lab.stem}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise SystemExit(f"{lab.name} failed (exit {proc.returncode}); log: "
+                         f"{OUT / (lab.stem + '.log')}")
+    metrics = json.loads(metrics_path.read_text())
+    metrics["launch_wall_s"] = time.perf_counter() - t0
+    return metrics
+
+
+def execute_lessons():
+    lessons = lesson_tools.lesson_paths()
+    for i, lesson in enumerate(lessons, 1):
+        cached = lesson_tools.cached_executed(lesson)
+        print(f"[lesson {i}/{len(lessons)}] {lesson.name}: "
+              f"{'up to date' if cached else 'executing...'}", flush=True)
+        if not cached:
+            t0 = time.perf_counter()
+            lesson_tools.execute(lesson)
+            print(f"    executed in {time.perf_counter() - t0:.0f} s", flush=True)
+    return lessons
+
+
+def build_site():
+    print("[site] mkdocs build --strict", flush=True)
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet"],
+                   cwd=ROOT, check=True, timeout=1800)
+    return ROOT / "site" / "index.html"
+
+
+def gib(num_bytes):
+    return f"{num_bytes / 2**30:.2f}"
+
+
+def summary_table(results):
+    header = ["lab", "backend", "world", "steps", "final loss", "parity", "tok/s",
+              "peak mem/rank GiB", "wall s"]
+    rows = []
+    for m in results:
+        parity = m["parity_max_abs_diff"]
+        peaks = m["peak_mem_bytes_per_rank"]
+        rows.append([m["lab"], m["backend"], str(m["world_size"]), str(m["steps"]),
+                     f"{m['final_loss']:.4f}",
+                     "n/a" if parity is None else f"{parity:.1e} (<= {m['parity_tol']:.0e})",
+                     f"{m['tokens_per_s']:.0f}", f"{gib(min(peaks))}-{gib(max(peaks))}",
+                     f"{m['wall_time_s']:.1f}"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda row: " | ".join(c.ljust(w) for c, w in zip(row, widths))  # noqa: E731
+    return "\n".join([fmt(header), "-+-".join("-" * w for w in widths), *map(fmt, rows)])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="ranks per lab (default: every GPU if >= 2, else 2 CPU processes)")
+    parser.add_argument("--skip-site", action="store_true", help="labs and lessons only")
+    parser.add_argument("--lab-timeout-s", type=int, default=600, help="limit per lab run")
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    nproc = args.nproc or default_world_size()
+    t_start = time.perf_counter()
+    labs = lab_paths()
+    results = []
+    for i, lab in enumerate(labs, 1):
+        print(f"[lab {i}/{len(labs)}] {lab.name}: torchrun x{nproc} --check-parity ...",
+              flush=True)
+        results.append(run_lab(lab, nproc, args.lab_timeout_s))
+        print(f"    {(OUT / (lab.stem + '.log')).read_text().strip().splitlines()[-1]}",
+              flush=True)
+    (OUT / "summary.json").write_text(json.dumps(results, indent=2))
+    lessons = execute_lessons()
+    site = None if args.skip_site else build_site()
+    print("\n" + summary_table(results))
+    print(f"\n{len(labs)} labs, {len(lessons)} lessons executed"
+          f"{'' if site is None else f', site at {site.relative_to(ROOT)}'}"
+          f" | {time.perf_counter() - t_start:.0f} s in total")
+
+
+if __name__ == "__main__":
+    main()

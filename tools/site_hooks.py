@@ -1,0 +1,114 @@
+"""MkDocs hooks: assemble the site from the repo as it is, so nothing is pasted by hand.
+
+- lessons/NN_*.py  -> lessons/NN_*.ipynb pages, from the executed notebooks (tools/lessons.py;
+  a lesson whose cached execution is stale or missing is executed now);
+- labs/labNN_*.py  -> labs/labNN_*.md pages: docstring, run command, source included from the
+  file, and a diff against the previous lab generated here;
+- runbooks/*.md    -> runbooks/ pages, as they are;
+- the nav is built from what exists, in course order.
+"""
+
+import difflib
+import re
+import sys
+from pathlib import Path
+
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB_GLOB = "lab[0-9][0-9]_*.py"
+
+
+def lab_paths():
+    return sorted((ROOT / "labs").glob(LAB_GLOB))
+
+
+def runbook_paths():
+    return sorted(p for p in (ROOT / "runbooks").glob("*.md") if p.name != "index.md")
+
+
+def docstring(path):
+    match = re.match(r'\s*"""(.*?)"""', path.read_text(), re.S)
+    return match.group(1).strip() if match else ""
+
+
+def lab_page(lab, previous):
+    doc = docstring(lab)
+    title, _, rest = doc.partition("\n")
+    lines = [f"# {title}", "", f"Source: `labs/{lab.name}` (one self-contained file: copy it "
+             "anywhere with torch installed and run it).", "", "```text", rest.strip(), "```", "",
+             "## Run it", "", "```bash", f"torchrun --standalone --nproc-per-node 2 labs/{lab.name}"
+             " --check-parity", "```", ""]
+    log = ROOT / "build" / "course" / f"{lab.stem}.log"
+    if log.exists():
+        output = [line for line in log.read_text().splitlines() if not line.startswith("W")]
+        lines += ["## Output of the last `make course` run", "", "```text", *output[-12:],
+                  "```", ""]
+    lines += ["## Source", "", "```python", f'--8<-- "labs/{lab.name}"', "```", ""]
+    if previous is not None:
+        diff = difflib.unified_diff(previous.read_text().splitlines(),
+                                    lab.read_text().splitlines(),
+                                    f"labs/{previous.name}", f"labs/{lab.name}", lineterm="")
+        lines += [f"## What changed since `{previous.name}`", "",
+                  "Generated at build time; the shared regions (setup, model, data, metrics) "
+                  "are identical, so the diff is the new technique.", "", "```diff", *diff,
+                  "```", ""]
+    return "\n".join(lines)
+
+
+def labs_index():
+    rows = ["| lab | what it teaches | command |", "|---|---|---|"]
+    for lab in lab_paths():
+        title = docstring(lab).splitlines()[0]
+        rows.append(f"| [{lab.stem}]({lab.stem}.md) | {title} | "
+                    f"`torchrun --standalone --nproc-per-node 2 labs/{lab.name}` |")
+    return "# Labs\n\nOne torchrun script per lesson; each runs on CPU (gloo) and on GPUs " \
+           "(NCCL) unchanged.\n\n" + "\n".join(rows) + "\n"
+
+
+def add_generated(files, config, src_uri, content):
+    files.append(File.generated(config, src_uri, content=content))
+
+
+@event_priority(100)  # before mkdocs-jupyter turns .ipynb files into pages
+def on_files(files, config):
+    for lesson in lesson_tools.lesson_paths():
+        executed = lesson_tools.ensure_executed(lesson)
+        files.append(File.generated(config, f"lessons/{lesson.stem}.ipynb",
+                                    abs_src_path=str(executed)))
+    previous = None
+    for lab in lab_paths():
+        add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous))
+        previous = lab
+    add_generated(files, config, "labs/index.md", labs_index())
+    for page in [ROOT / "runbooks" / "index.md", *runbook_paths()]:
+        if page.exists():
+            files.append(File.generated(config, f"runbooks/{page.name}",
+                                        abs_src_path=str(page)))
+    return files
+
+
+def on_config(config):
+    lessons = [f"lessons/{p.stem}.ipynb" for p in lesson_tools.lesson_paths()]
+    labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lab_paths()]]
+    runbooks = ["runbooks/index.md", *[f"runbooks/{p.name}" for p in runbook_paths()]]
+    reference = sorted(f"reference/{p.name}" for p in (ROOT / "docs" / "reference").glob("*.md"))
+    config.nav = [{"Home": "index.md"}, {"Lessons": lessons}, {"Labs": labs},
+                  {"Runbooks": runbooks}, *([{"Reference": reference}] if reference else [])]
+    return config
+
+
+# Lessons are written to work in JupyterLab, where a link is a file path
+# (../runbooks/index.md, ../labs/lab01_ddp.py). On the site those are .html pages.
+_REPO_LINK = re.compile(r'href="((?:\.\./)*(?:lessons|labs|runbooks)/[^"#]+?)\.(md|ipynb|py)'
+                        r'(#[^"]*)?"')
+
+
+def on_page_content(html, page, config, files):
+    if page.file.src_uri.endswith(".ipynb"):
+        return _REPO_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(3) or ""}"', html)
+    return html
