@@ -90,6 +90,8 @@ def add_common_args(parser):
     arg("--fail-at-step", type=int, default=0,
         help="fault drill: --fail-rank dies abruptly at this step, first attempt only (0: never)")
     arg("--fail-rank", type=int, default=0, help="fault drill: which rank dies")
+    arg("--crash-in-checkpoint", type=int, default=0,
+        help="fault drill: die while writing the checkpoint of this step, before it is complete")
 
 
 def validate_common(cfg, world_size):
@@ -99,7 +101,7 @@ def validate_common(cfg, world_size):
         if getattr(cfg, name) <= 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
     for name in ["clip", "num_workers", "checkpoint_every", "stop_at_step", "parity_tol",
-                 "fail_at_step", "fail_rank"]:
+                 "fail_at_step", "fail_rank", "crash_in_checkpoint"]:
         if getattr(cfg, name) < 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
@@ -114,8 +116,10 @@ def validate_common(cfg, world_size):
         fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
     if cfg.stop_at_step > cfg.steps:
         fail_config("--stop-at-step", f"{cfg.stop_at_step} is beyond --steps {cfg.steps}")
-    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step) and not cfg.checkpoint_dir:
-        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every and --stop-at-step")
+    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step or cfg.crash_in_checkpoint) \
+            and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every, "
+                    "--stop-at-step and --crash-in-checkpoint")
     if cfg.resume and not latest_checkpoint(cfg.checkpoint_dir):
         fail_config("--resume", f"no complete checkpoint in {cfg.checkpoint_dir}")
     if cfg.device == "cuda" and torch.cuda.device_count() < local_world_size():
@@ -174,15 +178,33 @@ def init_distributed(cfg):
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device_type = pick_device_type(cfg)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = attempt_store(rank, world_size, timeout)
     if device_type == "cuda":
         # set_device first: otherwise every rank's NCCL communicator lands on cuda:0.
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    return rank, dist.get_world_size(), device
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    return rank, world_size, device
+
+
+def attempt_store(rank, world_size, timeout):
+    """The rendezvous store that env:// would give us, with keys namespaced by restart attempt.
+
+    torchrun (c10d rendezvous, torch <= 2.13 at least) hands every restart attempt the same
+    TCPStore, so a restarted worker can read the dead attempt's gloo/NCCL addresses and fail
+    ("Gloo connectFullMesh failed ... Connection refused") or hang. See runbooks/restart-hang.md.
+    """
+    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=hosts_store, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt{attempt}/", store)
 
 
 def teardown_distributed():
@@ -398,6 +420,16 @@ def maybe_inject_failure(cfg, step, rank):
         os._exit(13)
 
 
+def maybe_crash_mid_checkpoint(cfg, step):
+    """--crash-in-checkpoint K: die after part of step K's checkpoint is on disk but before it
+    is complete (first attempt only), as an OOM kill or a power cut would."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and step == cfg.crash_in_checkpoint:
+        print(f"injected crash while writing the checkpoint of step {step}", file=sys.stderr,
+              flush=True)
+        os._exit(14)
+
+
 class PreemptionWatch:
     """SIGTERM (a scheduler preempting the job) only raises a flag; the loop finishes the
     step, and all ranks agree with one all-reduce so they checkpoint and stop together."""
@@ -458,6 +490,7 @@ def save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size):
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        maybe_crash_mid_checkpoint(cfg, step)
         os.replace(tmp, final)  # atomic: a reader sees the old set of files or the new one
         for old in sorted(final.parent.glob("step_*.pt"))[:-2]:
             old.unlink()

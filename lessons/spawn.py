@@ -37,21 +37,25 @@ def _child(rank, fn, world_size, port, out_dir, timeout_s, args):
         dist.destroy_process_group()
 
 
-def run_workers(fn, world_size, *args, timeout_s=60):
+def run_workers(fn, world_size, *args, timeout_s=60, startup_s=120):
     """Run fn(rank, world_size, *args) in world_size processes; return [result of rank 0, ...].
 
-    Results travel back through torch.save files, so tensors, numbers and dicts all work.
+    timeout_s bounds every collective (the process group timeout); startup_s is the extra time
+    allowed for starting Python and importing torch in each child, generous because a loaded
+    2-core machine can take a minute for that alone. Results travel back through torch.save
+    files, so tensors, numbers and dicts all work.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _child, args=(fn, world_size, _free_port(), out_dir, timeout_s, args),
             nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s + 30  # + time to start Python and import torch
+        limit_s = timeout_s + startup_s
+        deadline = time.monotonic() + limit_s
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()
                 raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish "
-                                   f"within {timeout_s + 30:.0f}s")
+                                   f"within {limit_s:.0f}s")
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]
