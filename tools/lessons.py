@@ -14,7 +14,8 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
-EXECUTED = ROOT / "build" / "executed"
+EXECUTED_ROOT = ROOT / "build" / "executed"  # the site reads lessons/NN_x.ipynb from here
+EXECUTED = EXECUTED_ROOT / "lessons"
 NOTEBOOKS = ROOT / "build" / "notebooks"
 LESSON_GLOB = "[0-9][0-9]_*.py"
 

@@ -76,10 +76,12 @@ def add_generated(files, config, src_uri, content):
 
 @event_priority(100)  # before mkdocs-jupyter turns .ipynb files into pages
 def on_files(files, config):
+    # Real File objects (not File.generated): mkdocs-jupyter 0.26 loses the source path of
+    # generated files when it wraps them.
     for lesson in lesson_tools.lesson_paths():
-        executed = lesson_tools.ensure_executed(lesson)
-        files.append(File.generated(config, f"lessons/{lesson.stem}.ipynb",
-                                    abs_src_path=str(executed)))
+        lesson_tools.ensure_executed(lesson)
+        files.append(File(f"lessons/{lesson.stem}.ipynb", str(lesson_tools.EXECUTED_ROOT),
+                          config.site_dir, config.use_directory_urls))
     previous = None
     for lab in lab_paths():
         add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous))
@@ -87,8 +89,8 @@ def on_files(files, config):
     add_generated(files, config, "labs/index.md", labs_index())
     for page in [ROOT / "runbooks" / "index.md", *runbook_paths()]:
         if page.exists():
-            files.append(File.generated(config, f"runbooks/{page.name}",
-                                        abs_src_path=str(page)))
+            files.append(File(f"runbooks/{page.name}", str(ROOT), config.site_dir,
+                              config.use_directory_urls))
     return files
 
 
