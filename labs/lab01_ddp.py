@@ -245,7 +245,7 @@ def rope_tables(seq_len, head_dim, device):
 def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).type_as(x)  # fp32 tables must not upcast bf16 q/k
 
 
 class Attention(nn.Module):
@@ -582,7 +582,7 @@ def train(cfg, rank, world_size, device):
     batches = micro_batches(cfg, rank, world_size, start_step)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     last_step = cfg.stop_at_step or cfg.steps
-    losses, step_times = [], []
+    losses, step_times, data_times = [], [], []
     if rank == 0:
         print(f"{LAB_NAME} | {dist.get_backend()} x{world_size} | {device} | "
               f"{num_params:,} params | steps {start_step + 1}..{last_step}", flush=True)
@@ -595,6 +595,7 @@ def train(cfg, rank, world_size, device):
         step_s = time.perf_counter() - t0
         losses.append([step, loss.item()])
         step_times.append(step_s)
+        data_times.append(data_s)
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):
             print(log_line(step, loss.item(), step_s, tokens_per_step / step_s,
                            data_s / step_s, peak_memory_bytes(device)), flush=True)
@@ -608,7 +609,7 @@ def train(cfg, rank, world_size, device):
                       f"{PREEMPTED_EXIT_CODE}", flush=True)
             teardown_distributed()
             sys.exit(PREEMPTED_EXIT_CODE)
-    return ddp_model, losses, step_times
+    return ddp_model, losses, step_times, data_times
 
 
 def main(argv=None):
@@ -616,9 +617,11 @@ def main(argv=None):
     wall_start = time.perf_counter()
     rank, world_size, device = init_distributed(cfg)
     try:
-        ddp_model, losses, step_times = train(cfg, rank, world_size, device)
-        peaks = [None] * world_size
+        ddp_model, losses, step_times, data_times = train(cfg, rank, world_size, device)
+        peaks, data_shares = [None] * world_size, [None] * world_size
         dist.all_gather_object(peaks, peak_memory_bytes(device))
+        # Per rank: a straggler shows up as one rank with a much higher data-wait share.
+        dist.all_gather_object(data_shares, sum(data_times) / max(sum(step_times), 1e-9))
         parity, ref_losses = None, None
         if cfg.check_parity and rank == 0:
             parity, ref_losses = check_parity(cfg, ddp_model, world_size, device)
@@ -632,7 +635,7 @@ def main(argv=None):
                 "reference_losses": ref_losses, "parity_max_abs_diff": parity,
                 "parity_tol": cfg.parity_tol,
                 "tokens_per_s": cfg.batch_size * cfg.seq_len * len(steady) / sum(steady),
-                "peak_mem_bytes_per_rank": peaks,
+                "peak_mem_bytes_per_rank": peaks, "data_share_per_rank": data_shares,
                 "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
                 "wall_time_s": time.perf_counter() - wall_start,
                 "torch_version": torch.__version__, "config": vars(cfg),
