@@ -70,6 +70,24 @@ def labs_index():
            "(NCCL) unchanged.\n\n" + "\n".join(rows) + "\n"
 
 
+def torchrun_flags_page():
+    """The flag table straight from the parser torchrun uses, so defaults are never retyped."""
+    import torch
+    from torch.distributed.run import get_args_parser
+
+    rows = ["| flag | default | what it does |", "|---|---|---|"]
+    for action in get_args_parser()._actions:
+        if not action.option_strings or "--help" in action.option_strings:
+            continue
+        flag = " ".join(f"`{o}`" for o in action.option_strings if "_" not in o)
+        helptext = " ".join((action.help or "").split()).replace("|", "\\|")
+        rows.append(f"| {flag} | `{action.default!r}` | {helptext} |")
+    return (f"# torchrun flags (torch {torch.__version__})\n\nGenerated at build time from "
+            "`torch.distributed.run.get_args_parser()`, the parser torchrun itself uses. The "
+            "defaults shown are the parser's; [launching](launching.md) explains the ones "
+            "that are resolved later.\n\n" + "\n".join(rows) + "\n")
+
+
 def add_generated(files, config, src_uri, content):
     files.append(File.generated(config, src_uri, content=content))
 
@@ -87,6 +105,7 @@ def on_files(files, config):
         add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous))
         previous = lab
     add_generated(files, config, "labs/index.md", labs_index())
+    add_generated(files, config, "reference/torchrun-flags.md", torchrun_flags_page())
     for page in [ROOT / "runbooks" / "index.md", *runbook_paths()]:
         if page.exists():
             files.append(File(f"runbooks/{page.name}", str(ROOT), config.site_dir,
@@ -98,7 +117,8 @@ def on_config(config):
     lessons = [f"lessons/{p.stem}.ipynb" for p in lesson_tools.lesson_paths()]
     labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lab_paths()]]
     runbooks = ["runbooks/index.md", *[f"runbooks/{p.name}" for p in runbook_paths()]]
-    reference = sorted(f"reference/{p.name}" for p in (ROOT / "docs" / "reference").glob("*.md"))
+    reference = sorted([*(f"reference/{p.name}" for p in (ROOT / "docs" / "reference").glob("*.md")),
+                        "reference/torchrun-flags.md"])
     config.nav = [{"Home": "index.md"}, {"Lessons": lessons}, {"Labs": labs},
                   {"Runbooks": runbooks}, *([{"Reference": reference}] if reference else [])]
     return config
