@@ -120,3 +120,22 @@ def test_sigterm_alone_is_a_no_op_until_the_step_ends():
         assert watch.requested is True
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def restart_drill(*flags):
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "drill",
+           "--max-restarts", "1", str(LABS.parent / "runbooks" / "drills" / "restart_stale_store.py"),
+           *flags]
+    return run(cmd, timeout=240, check=False)
+
+
+def test_restart_drill_reproduces_the_stale_store_and_the_fix_removes_it():
+    """runbooks/restart-hang.md, cause C: the documented symptom, then the documented fix."""
+    broken = restart_drill()
+    assert broken.returncode != 0
+    assert "Gloo connectFullMesh failed with" in broken.stderr
+    fixed = restart_drill("--fixed")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert "attempt 1 rank 0: all_reduce ok (3)" in fixed.stdout
+    assert "attempt 1 rank 1: all_reduce ok (3)" in fixed.stdout
