@@ -1,0 +1,361 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · FSDP2: sharding you can see, memory that matches the math
+#
+# After this lesson you can:
+#
+# - compute what each rank holds under DDP, ZeRO-1, ZeRO-2 and ZeRO-3/FSDP, and name what that
+#   figure leaves out;
+# - shard a layer by hand (all-gather before use, reduce-scatter the gradients) and show that
+#   `fully_shard` does exactly that;
+# - build a model on the meta device, shard it with `fully_shard`, and fill each rank's shards;
+# - run `labs/lab02_fsdp.py` and prove, to 1e-5, that it trains the model one process would;
+# - port FSDP1 code to FSDP2 and spot the wrong advice that circulates about it.
+#
+# Everything runs on a laptop CPU over gloo. On GPUs the same code uses NCCL.
+
+# %%
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+ROOT = Path(os.environ.get("COURSE_ROOT") or next(
+    p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
+sys.path.insert(0, str(ROOT / "lessons"))
+sys.path.insert(0, str(ROOT / "labs"))
+
+import fsdp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+import lab02_fsdp as lab  # noqa: E402  (the lab is importable: nothing runs at import)
+import memory_estimator as est  # noqa: E402
+from spawn import run_workers  # noqa: E402
+
+# %% [markdown]
+# ## Why
+#
+# DDP keeps a full replica on every rank: parameters, gradients and optimizer state. In fp32
+# with AdamW (two states per parameter) that is 4 + 4 + 8 = **16 bytes per parameter**, on every
+# rank, however many ranks you add. The estimator in `labs/memory_estimator.py` does this
+# arithmetic for the four ZeRO stages:
+
+# %%
+print(est.table(7_000_000_000, 8))
+ddp_7b = est.estimate_per_rank(7e9, 8, "ddp").total_bytes
+fsdp_7b = est.estimate_per_rank(7e9, 8, "fsdp").total_bytes
+assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 7B does not fit an 80 GB GPU under DDP
+
+# %% [markdown]
+# A 7B model needs 112 GB per rank under DDP: it does not fit an 80 GB GPU before a single
+# activation is stored. Sharded over 8 ranks (ZeRO-3, which FSDP implements) it needs 14 GB.
+#
+# The worked example that circulates: 70B parameters, AdamW, 64 ranks. The total is
+# 16 B x 70e9 = 1120 GB. Per rank, sharded: 1120 / 64 = **17.5 GB** (decimal; 16.3 GiB). The
+# "17.6 GB" you may have seen comes from adding numbers that were rounded first.
+
+# %%
+e70 = est.estimate_per_rank(70e9, 64, "zero3")
+print(f"70B, AdamW, 64 ranks: params {e70.params_bytes / 1e9:.3f} GB + grads "
+      f"{e70.grads_bytes / 1e9:.3f} GB + optimizer {e70.optimizer_bytes / 1e9:.2f} GB "
+      f"= {e70.total_bytes / 1e9:.2f} GB per rank ({e70.total_bytes / 2**30:.2f} GiB)")
+assert est.estimate_per_rank(70e9, 64, "ddp").total_bytes == 1120e9
+assert e70.total_bytes == 17.5e9
+
+# %% [markdown]
+# That figure is a floor, not a peak. The estimator says what it leaves out:
+
+# %%
+for item in est.LEFT_OUT:
+    print("-", item)
+
+# %% [markdown]
+# The biggest of these under FSDP is the *transient unsharded unit*: a block must be whole
+# while it computes. One Llama-2-70B block (dim 8192, MLP hidden 28672, 8 KV heads of 128)
+# holds about 0.86B parameters, so 1.6 GiB in bf16, and about twice that while the next block
+# is prefetched:
+
+# %%
+dim, hidden, kv_dim = 8192, 28672, 8 * 128
+block_params = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * hidden + 2 * dim
+print(f"one block: {block_params / 1e9:.3f}B params = {2 * block_params / 2**30:.2f} GiB in bf16")
+assert 0.85e9 < block_params < 0.86e9 and 1.55 < 2 * block_params / 2**30 < 1.65
+
+# %% [markdown]
+# ## From scratch: shard, all-gather, reduce-scatter
+#
+# FSDP is three moves. Each rank keeps only a slice (rows, dim 0) of every weight. Before the
+# weight is used, an **all-gather** rebuilds it; it is freed right after. After backward, each
+# rank has a full-size gradient computed on its own data; a **reduce-scatter** sums those
+# gradients across ranks and hands each rank only the rows it owns. The optimizer then updates
+# only the local shard. Below, one linear layer is trained that way by hand on 2 processes,
+# then with `fully_shard`, then in one process on the whole global batch
+# (`lessons/fsdp_workers.py`):
+
+# %%
+results = run_workers(fsdp_workers.shard_by_hand_vs_fully_shard, 2, timeout_s=120)
+for rank, r in enumerate(results):
+    print(f"rank {rank}: holds {r['shard_shape']} of [6, 4]; fully_shard holds "
+          f"{r['fsdp_shard_shape']} {r['placements']}; |by hand - FSDP| {r['by_hand_vs_fsdp']:.1e}, "
+          f"|by hand - one process| {r['by_hand_vs_single']:.1e}")
+assert all(r["shard_shape"] == r["fsdp_shard_shape"] == [3, 4] for r in results)
+assert all(r["by_hand_vs_fsdp"] <= 1e-6 and r["by_hand_vs_single"] <= 1e-6 for r in results)
+
+# %% [markdown]
+# Same numbers to float rounding: `fully_shard` is those three collectives plus scheduling
+# (prefetching the next all-gather while the current block computes). Communication per step
+# is one all-gather in forward, one all-gather and one reduce-scatter in backward: about 1.5x
+# the bytes of DDP's all-reduce, traded for 1/N of the memory.
+#
+# ## With PyTorch: `fully_shard`
+#
+# The lab builds the model on the **meta device** (shapes, no memory), shards it, and only
+# then allocates: each rank allocates its shards and nothing else. Each transformer block is
+# one unit (one all-gather, one reduce-scatter); the root call groups the rest:
+
+# %%
+print(inspect.getsource(lab.apply_fsdp))
+print(inspect.getsource(lab.build_fsdp_model))
+
+# %% [markdown]
+# Filling the shards: `init_sharded_weights` computes each full parameter once (the same
+# values a single process would draw) and copies this rank's slice. That costs one full
+# parameter of transient memory and no communication; the alternatives (scatter from rank 0
+# with `distribute_tensor`, or loading the shards from a DCP checkpoint) are discussed in its
+# docstring.
+#
+# ### Measured: bytes each rank holds
+#
+# `lessons/fsdp_workers.py` builds the model with the lab's own functions for each strategy,
+# runs one optimizer step, and sums the storage behind the tensors each rank holds
+# (`lab.measure_state_bytes`). World sizes 1, 2, 4:
+
+# %%
+measured = {n: run_workers(fsdp_workers.measure_strategies, n, ("ddp", "zero3"), timeout_s=240)
+            for n in (1, 2)}
+measured[4] = run_workers(fsdp_workers.measure_strategies, 4, timeout_s=240)  # + zero1, zero2, hsdp
+shapes = measured[1][0]["param_shapes"]
+num_params = sum(torch.Size(s).numel() for s in shapes)
+
+
+def total(per_rank):
+    return max(r["params"] + r["grads"] + r["optimizer"] for r in per_rank)
+
+
+rows = {}
+for n, ranks in measured.items():
+    for strategy in ("ddp", "zero3"):
+        got = total([r[strategy] for r in ranks])
+        predicted = est.estimate_per_rank(None, n, strategy, shapes=shapes).total_bytes
+        rows[(strategy, n)] = got
+        print(f"{strategy:5s} world {n}: measured {got:9,d} B per rank, estimator {predicted:9,d} B "
+              f"({got / predicted - 1:+.2%})")
+        assert abs(got / predicted - 1) <= 0.05
+    ratio = rows[("zero3", n)] / (rows[("ddp", n)] / n)
+    print(f"        FSDP / (DDP / {n}) = {ratio:.4f}")
+    assert abs(ratio - 1) <= 0.05
+
+# %% [markdown]
+# FSDP's per-rank state is DDP's divided by the world size, and the estimator is within 5%
+# of what the ranks hold (the small excess is AdamW's `step` counters, one 4-byte scalar per
+# parameter tensor). No padding shows here because every dim 0 of this model divides by 1, 2
+# and 4. When it does not, FSDP2 pads each shard to `ceil(dim0 / N)` rows, so every rank
+# allocates the largest shard; pass `shapes=` to the estimator to include that:
+
+# %%
+odd = [(50257, 4096), (3, 4096)]   # a GPT-2-sized vocabulary, and a tensor smaller than N
+padded = est.estimate_per_rank(None, 64, "zero3", shapes=odd).params_bytes
+even = est.estimate_per_rank(sum(a * b for a, b in odd), 64, "zero3").params_bytes
+print(f"params per rank over 64 ranks: {padded:,d} B with padding, {even:,d} B if split evenly "
+      f"(+{padded / even - 1:.2%})")
+assert padded > even
+
+# %%
+sizes = sorted(measured)
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for strategy, label, marker in [("ddp", "DDP", "o"), ("zero3", "FSDP (fully_shard)", "s")]:
+    ax.plot(sizes, [rows[(strategy, n)] / 1e6 for n in sizes], marker=marker, label=f"{label}, measured")
+    ax.plot(sizes, [est.estimate_per_rank(None, n, strategy, shapes=shapes).total_bytes / 1e6
+                    for n in sizes], "--", color="gray")
+ax.plot([], [], "--", color="gray", label="estimator")
+ax.set(xlabel="world size", ylabel="MB per rank (params + grads + AdamW)", xticks=sizes,
+       title=f"Persistent state per rank, {num_params:,} params")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ### ZeRO stages side by side (world size 4)
+#
+# PyTorch has a native tool for each stage: `ZeroRedundancyOptimizer` (stage 1: optimizer
+# state sharded), `fully_shard(..., reshard_after_forward=False)` (stage-2-like: between steps
+# everything is sharded, but each block's gathered parameters stay from forward until its
+# backward, so the peak holds full parameters), and `fully_shard` (stage 3). The last column is
+# the bytes of full-size parameters alive between forward and backward:
+
+# %%
+ws4 = measured[4]
+print(f"{'strategy':9s}{'params':>10s}{'grads':>10s}{'optimizer':>11s}{'full params in bwd':>20s}")
+for name in fsdp_workers.STRATEGY_ARGS:
+    r = ws4[0][name]
+    print(f"{name:9s}{r['params']:10,d}{r['grads']:10,d}{max(x[name]['optimizer'] for x in ws4):11,d}"
+          f"{r['unsharded_after_forward']:20,d}")
+full_bytes = 4 * num_params
+assert ws4[0]["zero1"]["params"] == full_bytes and ws4[0]["zero1"]["grads"] == full_bytes
+assert max(x["zero1"]["optimizer"] for x in ws4) < 0.3 * ws4[0]["ddp"]["optimizer"]
+assert ws4[0]["zero2"]["params"] == ws4[0]["zero3"]["params"] == full_bytes // 4
+assert ws4[0]["zero2"]["unsharded_after_forward"] == full_bytes
+assert ws4[0]["zero3"]["unsharded_after_forward"] < 0.1 * full_bytes   # only the root's params
+print("HSDP layout of layers.0.attention.wq.weight:", ws4[0]["hsdp"]["layout"])
+
+# %% [markdown]
+# ZeRO-1 splits whole tensors between ranks (greedily, by size), so its shares are uneven; the
+# estimator's even split is the ideal. ZeRO-2-like and ZeRO-3 hold the same state between
+# steps; they differ in what is alive during the step. Under stage 3 only the root's
+# parameters (embeddings, final norm, output: `fully_shard` keeps the root gathered because
+# backward starts with it) stay gathered after forward.
+#
+# ## Run the lab
+#
+# The lab trains with FSDP on 4 processes, checks every parameter against a single-process
+# run on the same global batches, and writes its metrics:
+
+# %%
+out_dir = Path(tempfile.mkdtemp())
+cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+       str(ROOT / "labs" / "lab02_fsdp.py"), "--steps", "20", "--check-parity",
+       "--metrics-out", str(out_dir / "fsdp4.json")]
+proc = subprocess.run(cmd, check=True, timeout=300, capture_output=True, text=True,
+                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+print(proc.stdout)
+run4 = json.loads((out_dir / "fsdp4.json").read_text())
+assert run4["parity_max_abs_diff"] <= 1e-5
+print("layers.0.attention.wq.weight:", run4["layout"]["layers.0.attention.wq.weight"])
+
+# %%
+steps, losses = zip(*run4["losses"])
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(steps, losses, label="FSDP, 4 ranks")
+ax.plot(steps, run4["reference_losses"], "--", label="one process, same batches")
+ax.set(xlabel="step", ylabel="loss",
+       title=f"max |param diff| = {run4['parity_max_abs_diff']:.1e}")
+ax.legend()
+plt.show()
+assert losses[-1] < 0.7 * losses[0]
+
+# %% [markdown]
+# Other flags worth a run (all covered by `tests/test_lab02_fsdp.py`): `--hsdp 2` (2 replicas x
+# 2 shards), `--reshard-after-forward false`, `--grad-accum 2` (uses
+# `set_requires_gradient_sync(False)`), `--mixed-precision bf16`, `--activation-checkpointing`,
+# `--cpu-offload`, `--compile`, and `--checkpoint-dir` with `--stop-at-step` then `--resume` at
+# a different world size: DCP reshards the checkpoint on load.
+#
+# On CPU, `--mixed-precision bf16` works (gloo all-gathers bf16 tensors); whether it is faster
+# depends on the CPU having bf16 matrix units, and on this course's tiny model it is not. It
+# needs no autocast: the parameters themselves are bf16 inside forward and backward, and the
+# shared model keeps q and k in their input dtype after applying the fp32 RoPE tables.
+#
+# ## FSDP1 to FSDP2
+#
+# | FSDP1 (`FullyShardedDataParallel`) | FSDP2 (`fully_shard`, torch >= 2.6) |
+# |---|---|
+# | `FSDP(model, auto_wrap_policy=transformer_auto_wrap_policy(...))` | `fully_shard(block)` for each block, then `fully_shard(model)` |
+# | one `FlatParameter` per wrapped unit | each parameter a `DTensor` with `Shard(0)` |
+# | `ShardingStrategy.FULL_SHARD` | `reshard_after_forward=True` (default) |
+# | `ShardingStrategy.SHARD_GRAD_OP` | `reshard_after_forward=False` |
+# | `ShardingStrategy.HYBRID_SHARD` | a 2D mesh `(replicate, shard)`: `init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("dp_replicate", "dp_shard"))` |
+# | `ShardingStrategy.NO_SHARD` | a mesh whose shard dimension has size 1, or DDP |
+# | `MixedPrecision(param_dtype=..., reduce_dtype=..., buffer_dtype=...)` | `MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)` |
+# | `CPUOffload(offload_params=True)` | `CPUOffloadPolicy()` |
+# | `with model.no_sync():` | `model.set_requires_gradient_sync(False)` |
+# | `FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)` | `get_state_dict` / `set_state_dict` + `torch.distributed.checkpoint` |
+# | `FSDP.clip_grad_norm_(...)` | `torch.nn.utils.clip_grad_norm_` (works on DTensor grads) |
+#
+# ## Wrong advice that circulates
+#
+# Three claims in widely copied notes, checked against the installed torch:
+
+# %%
+try:
+    from torch.distributed.fsdp import HybridShard  # noqa: F401
+    hybrid_shard_exists = True
+except ImportError as exc:
+    hybrid_shard_exists = False
+    print("ImportError:", exc)
+assert not hybrid_shard_exists  # there is no HybridShard class; HSDP is a 2D mesh
+
+from torch.distributed.fsdp import ShardingStrategy  # noqa: E402
+
+doc = " ".join(ShardingStrategy.__doc__.split())
+hybrid = doc[doc.index("``HYBRID_SHARD``"):].split(". ")[0]
+print(hybrid)
+assert "within a node, and replicate parameters across nodes" in hybrid
+assert "(Replicate(), Shard(dim=0))" in ws4[0]["hsdp"]["layout"][0]  # FSDP2: same idea, in a mesh
+
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+print(f"torch {torch.__version__}: from torch.distributed.fsdp import fully_shard -> "
+      f"{fully_shard.__module__}")
+assert (major, minor) >= (2, 6)
+
+# %% [markdown]
+# - **"`HybridShard(intra_node_sharding_strategy=..., inter_node_sharding_strategy=...)`"**:
+#   no such class. FSDP1 spells it `sharding_strategy=ShardingStrategy.HYBRID_SHARD`; FSDP2 spells
+#   it as a 2D mesh.
+# - **"HYBRID_SHARD replicates inside a node and shards across nodes"**: backwards. It shards
+#   *within* a node (fast links carry the all-gathers and reduce-scatters) and replicates
+#   *across* nodes (only an all-reduce of gradient shards crosses the slow network). The lab's
+#   `--hsdp R` puts the shard axis last (inner, consecutive ranks) for the same reason.
+# - **"FSDP2 since PyTorch 2.0"**: `fully_shard` first shipped in 2.4 as a prototype under
+#   `torch.distributed._composable.fsdp`, and became public as `torch.distributed.fsdp.fully_shard`
+#   in 2.6 (pytorch/pytorch PR #141868). Use it on 2.6 or newer; the import above is the proof on
+#   this install, not for older versions.
+#
+# ## Summary
+#
+# - Persistent state per rank: DDP 16 B/param in fp32 + AdamW, whatever N; ZeRO-3/FSDP 16/N.
+#   Measured here within 5% of the estimator, and FSDP within 5% of DDP / N.
+# - FSDP = shard + all-gather before use + reduce-scatter after backward; by hand it gives the
+#   same numbers as `fully_shard`.
+# - Build on meta, `fully_shard` blocks then the root, `to_empty`, fill your shards.
+# - The peak is more than the table: the gathered unit, its prefetch, activations, buffers.
+#
+# ## Exercises
+#
+# 1. Run the lab with `--hsdp 2` and then `--hsdp 4` on 4 processes: what do `layout` and
+#    `state_bytes_per_rank` in the metrics say, and why does `--hsdp 4` equal DDP's memory?
+# 2. Set `--vocab-size 66` with 4 processes: the embedding no longer splits evenly. Compare
+#    `state_bytes_per_rank` with `est.estimate_per_rank(None, 4, "zero3", shapes=...)`.
+# 3. `--reshard-after-forward false` vs `true` with `--steps 40`: compare `tokens_per_s` and
+#    `unsharded_param_bytes_after_forward`. On GPUs compare `peak_mem_bytes_per_rank` too.
+# 4. Stop a 4-process run with `--checkpoint-dir ckpt --stop-at-step 20`, resume it with 2
+#    processes and `--resume`, and compare the losses with an uninterrupted run.
+# 5. Use the estimator for your own model: `python labs/memory_estimator.py --params 8e9
+#    --world-size 8 --param-bytes 2 --grad-bytes 2 --master-weights`.
+#
+# ## If it breaks
+#
+# - Out of memory, or memory above the estimate: [OOM: distributed causes](../runbooks/oom-distributed-causes.md)
+#   and [OOM: mitigations](../runbooks/oom-mitigations.md).
+# - A rank hangs in an all-gather or reduce-scatter: every wait in the lab is bounded by
+#   `--timeout-s` (default 120 s, passed to `init_process_group`), so a stuck collective
+#   becomes an error on every rank instead of a silent hang.
+# - A resume picks the wrong checkpoint: only `step_*` directories holding DCP's `.metadata`
+#   count (`lab.latest_checkpoint`); a `.tmp` directory is a save that never finished.

@@ -1,0 +1,101 @@
+"""Worker functions for lessons/02_fsdp.py (importable, so the spawn start method finds them).
+
+Each runs inside a gloo process group started by spawn.run_workers and returns plain data.
+Model building, sharding and measuring come from labs/lab02_fsdp.py itself, so the lesson
+measures the code the lab runs.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "labs"))
+import lab02_fsdp as lab  # noqa: E402
+
+
+def _toy_problem(rank, world_size, steps):
+    """A (6, 4) weight, one global batch of 4 samples per rank, the same on every rank."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 4, generator=gen)
+    inputs = torch.randn(steps, world_size, 4, 4, generator=gen)   # step, rank, sample, feature
+    targets = torch.randn(steps, world_size, 4, 6, generator=gen)
+    return weight, inputs, targets
+
+
+def shard_by_hand_vs_fully_shard(rank, world_size, steps=3, lr=0.1):
+    """Train one linear layer three ways and compare: (1) by hand: keep a row shard, all-gather
+    it before use, reduce-scatter the gradient, update only the shard; (2) fully_shard;
+    (3) one process on the whole global batch."""
+    weight, inputs, targets = _toy_problem(rank, world_size, steps)
+
+    # (1) By hand. This rank's shard: rows [rank * 6/N, (rank+1) * 6/N).
+    shard = weight.chunk(world_size)[rank].clone()
+    for step in range(steps):
+        pieces = [torch.empty_like(shard) for _ in range(world_size)]
+        dist.all_gather(pieces, shard)                      # all-gather: the full weight
+        full = torch.cat(pieces).requires_grad_()
+        loss = F.mse_loss(inputs[step, rank] @ full.T, targets[step, rank])
+        loss.backward()                                     # full-size grad, local data only
+        grad_shard = torch.empty_like(shard)
+        dist.reduce_scatter(grad_shard, list(full.grad.chunk(world_size)))  # sum of my rows
+        shard -= lr * grad_shard / world_size               # mean over ranks, then SGD
+        del full                                            # the full weight is transient
+
+    # (2) FSDP2 on the same layer, data and optimizer.
+    layer = torch.nn.Linear(4, 6, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    fully_shard(layer, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = torch.optim.SGD(layer.parameters(), lr=lr)
+    for step in range(steps):
+        F.mse_loss(layer(inputs[step, rank]), targets[step, rank]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    fsdp_shard = layer.weight.to_local().detach()
+
+    # (3) One process, every rank's samples in one batch.
+    single = weight.clone().requires_grad_()
+    for step in range(steps):
+        loss = F.mse_loss(inputs[step].flatten(0, 1) @ single.T, targets[step].flatten(0, 1))
+        loss.backward()
+        with torch.no_grad():
+            single -= lr * single.grad
+        single.grad = None
+    return {"shard_shape": list(shard.shape), "fsdp_shard_shape": list(fsdp_shard.shape),
+            "placements": str(layer.weight.placements),
+            "by_hand_vs_fsdp": (shard - fsdp_shard).abs().max().item(),
+            "by_hand_vs_single": (shard - single.detach().chunk(world_size)[rank]).abs().max().item()}
+
+
+# What lesson 02 measures: the lab's builders, one optimizer step each, bytes each rank holds.
+STRATEGY_ARGS = {
+    "ddp": ["--strategy", "ddp"],
+    "zero1": ["--strategy", "zero1"],
+    "zero2": ["--strategy", "fsdp", "--reshard-after-forward", "false"],
+    "zero3": ["--strategy", "fsdp"],
+    "hsdp": ["--strategy", "fsdp", "--hsdp", "2"],
+}
+
+
+def measure_strategies(rank, world_size, names=tuple(STRATEGY_ARGS)):
+    """For each strategy: bytes of params, grads and optimizer state this rank holds after one
+    optimizer step, and bytes of full-size params held between forward and backward."""
+    device, results = torch.device("cpu"), {}
+    for name in names:
+        args = STRATEGY_ARGS[name]
+        cfg = lab.parse_config([*args, "--steps", "1"])
+        torch.manual_seed(cfg.seed)
+        model, optimizer, mesh, layout = lab.build(cfg, world_size, device)
+        probe = {}
+        batches = lab.micro_batches(cfg, rank, world_size, 0)
+        lab.train_step(model, optimizer, batches, cfg, device, None, probe)
+        probe["layout"] = layout and layout["layers.0.attention.wq.weight"]
+        results[name] = probe
+        del model, optimizer
+    results["param_shapes"] = [list(p.shape) for p in lab.build_model(cfg).parameters()]
+    return results
