@@ -1,0 +1,426 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Tensor parallel inside a node, FSDP across nodes
+#
+# After this lesson you can:
+#
+# - say why tensor parallelism (TP) belongs on the fast links inside a node and FSDP across
+#   nodes, with numbers;
+# - split an MLP column-parallel then row-parallel by hand and check it against `nn.Linear`,
+#   forward and backward;
+# - read DTensor placements on a 2D `("dp", "tp")` mesh and say what each rank holds;
+# - write a per-block TP plan (`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`,
+#   `PrepareModuleInput`, loss parallel), apply it before `fully_shard`, and guard its keys;
+# - predict a step's collectives from the Megatron-LM analysis and check them with
+#   `CommDebugMode`;
+# - lay out a real cluster: 8 nodes x 8 GPUs with tp = 4 is the mesh (16, 4).
+#
+# Everything runs on a laptop CPU over gloo; on GPUs the same code uses NCCL.
+
+# %%
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+ROOT = Path(os.environ.get("COURSE_ROOT") or next(
+    p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
+sys.path.insert(0, str(ROOT / "lessons"))
+sys.path.insert(0, str(ROOT / "labs"))
+
+import lab03_tp_fsdp as lab  # noqa: E402  (importable: nothing runs at import)
+import tp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+from spawn import run_workers  # noqa: E402
+
+# %% [markdown]
+# ## Why
+#
+# FSDP shards parameters, gradients and optimizer state, but every rank still runs whole
+# layers on its own micro-batch, so **activations** are not sharded. At long sequences they
+# dominate. Korthikanti et al. (arXiv:2205.05198, Table 2) count the activation bytes one
+# transformer layer keeps for backward (16-bit activations, no recomputation), with sequence
+# length s, micro-batch b, width h, heads a and TP degree t:
+#
+# | layout | bytes per layer |
+# |---|---|
+# | no TP | s b h (34 + 5 a s / h) |
+# | TP | s b h (10 + 24 / t + 5 a s / (h t)) |
+# | TP + sequence parallel | s b h (34 / t + 5 a s / (h t)) |
+#
+# For a Llama-2-70B-sized layer (h = 8192, a = 64, 80 layers) at s = 4096, b = 1:
+
+# %%
+s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
+
+
+def activation_gib(t, sequence_parallel):
+    if t == 1:
+        per_layer = s * b * h * (34 + 5 * a * s / h)
+    elif sequence_parallel:
+        per_layer = s * b * h * (34 / t + 5 * a * s / (h * t))
+    else:
+        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    return num_layers * per_layer / 2**30
+
+
+for t in (1, 8):
+    print(f"t = {t}: {activation_gib(t, False):6.1f} GiB, "
+          f"with SP {activation_gib(t, True):6.1f} GiB")
+assert activation_gib(1, False) > 80  # more than a whole 80 GB GPU, for activations alone
+assert activation_gib(8, True) < activation_gib(8, False) < activation_gib(1, False) / 5
+
+# %% [markdown]
+# TP pays for this with communication *inside every layer*: (as counted below) two all-reduces
+# of an (s, b, h) activation in forward and two in backward per layer, every micro-batch. A ring
+# all-reduce moves 2 (t - 1) / t times the tensor through each rank. The link speeds below are
+# assumptions for illustration (vendor-class figures, not measured here): about 450 GB/s per
+# direction between GPUs of one node (NVLink class), about 50 GB/s per GPU between nodes
+# (a 400 Gb/s NIC).
+
+# %%
+t = 8
+tensor_bytes = s * b * h * 2  # one bf16 activation
+tp_bytes_per_rank = num_layers * 4 * 2 * (t - 1) / t * tensor_bytes
+links = {"inside a node (~450 GB/s)": 450e9, "across nodes (~50 GB/s)": 50e9}
+for link, bytes_per_s in links.items():
+    print(f"TP traffic per micro-batch: {tp_bytes_per_rank / 1e9:.1f} GB -> "
+          f"{tp_bytes_per_rank / bytes_per_s * 1e3:.0f} ms {link}")
+assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
+
+# %% [markdown]
+# Tens of GB per micro-batch, on the critical path of every layer: under a tenth of a second
+# inside a node, most of a second across nodes, for every micro-batch. FSDP's traffic (parameters gathered, gradients reduce-scattered) is per step and
+# overlaps with compute. Hence the 2D layout: **TP inside a node, FSDP across nodes.**
+#
+# ## From scratch: column-parallel, then row-parallel
+#
+# Megatron-LM (Shoeybi et al., arXiv:1909.08053) splits an MLP `y = gelu(x A) B` so that only
+# one collective is needed each way: `A` by output features (column-parallel: each rank
+# computes a slice of the hidden units, and gelu is elementwise so no exchange is needed), `B`
+# by input features (row-parallel: each rank gets a *partial sum* of y). Forward all-reduces
+# the partial sums (Megatron's `g`); backward all-reduces the input gradient (`f`), because each
+# rank's slice contributed part of dL/dx. `tp_workers.py` builds both as autograd functions
+# and compares with `nn.Linear` on two processes.
+
+# %%
+by_hand = run_workers(tp_workers.column_row_by_hand, 2, timeout_s=240)
+for rank, r in enumerate(by_hand):
+    print(f"rank {rank}: A slice {r['a_shape']}, B slice {r['b_shape']} | max diff: out "
+          f"{r['out_diff']:.1e}, dx {r['x_grad_diff']:.1e}, dA {r['a_grad_diff']:.1e}, "
+          f"dB {r['b_grad_diff']:.1e}")
+for r in by_hand:
+    assert r["a_shape"] == r["b_shape"] == (8, 8)  # half of the 16 hidden units each
+    assert max(r["out_diff"], r["x_grad_diff"], r["a_grad_diff"], r["b_grad_diff"]) < 1e-6
+
+# %% [markdown]
+# Equal to rounding (about 1e-7 in fp32): the differences are summation order, not math.
+#
+# ## DTensor placements, made visible
+#
+# PyTorch expresses these layouts with DTensor: a tensor plus a mesh plus one *placement* per
+# mesh axis (`Replicate()`, `Shard(dim)`, or `Partial()` for pending sums). Here one 4x4
+# tensor (values 0..15) is laid out four ways on a 2D mesh of 4 ranks, `("dp", "tp") = (2, 2)`.
+# (One set of 4 processes runs this and the two later 4-rank demos; each section reads its part.)
+
+# %%
+tour = run_workers(tp_workers.tour_2d, 4, timeout_s=240)
+placed = [r["placements"] for r in tour]
+for layout in placed[0]["local"]:
+    print(layout)
+    for rank, r in enumerate(placed):
+        print(f"  rank {rank} at (dp, tp) = {tuple(r['coordinate'])}: {r['local'][layout]}")
+two_d = [r["local"]["(Shard(0), Shard(1))"] for r in placed]
+assert two_d[3] == [[10.0, 11.0], [14.0, 15.0]]  # rank 3 = (dp 1, tp 1): bottom-right block
+replicated = [r["local"]["(Replicate(), Replicate())"] for r in placed]
+assert all(local == replicated[0] for local in replicated)  # every rank holds all 16 values
+
+# %% [markdown]
+# ## With PyTorch: the lab's plan
+#
+# `labs/lab03_tp_fsdp.py` applies the Megatron plan **per transformer block**, with keys relative
+# to the block, then the embedding and output projection explicitly. The plan as the lab builds
+# it (without and with sequence parallel):
+
+# %%
+cfg = lab.parse_config(["--tp", "1"])
+for sp in (False, True):
+    cfg.sequence_parallel = sp
+    print(f"--- block plan, sequence parallel {sp}")
+    for key, style in lab.block_plan(cfg).items():
+        print(f"  {key:16s} {style}")
+print("--- root plan (with --loss-parallel)")
+cfg.loss_parallel = True
+for key, style in lab.root_plan(cfg).items():
+    print(f"  {key:16s} {style}")
+
+# %% [markdown]
+# Things to notice, each explained by a comment in the lab:
+#
+# - **Heads.** `ColwiseParallel` on `wq/wk/wv` gives each rank `num_heads / tp` heads. The lab's
+#   `Attention` infers its head count from the projection width (`view(bsz, seq, -1,
+#   head_dim)`), so no module attribute has to be adjusted; `inspect_tp_fsdp` asserts the local
+#   width.
+# - **`PrepareModuleInput(..., use_local_output=False)`** on `attention` and `feed_forward`: the
+#   three projections share one DTensor input, so backward sums their input gradients and
+#   all-reduces **once** (Megatron's `f`), not once per projection.
+# - **Sequence parallel.** Between blocks the activations are `Shard(1)` (sequence); the norms
+#   run on local tokens; entering attention/MLP all-gathers, leaving reduce-scatters.
+# - **Order.** TP first, then `fully_shard` per block and the root on the `"dp"` sub-mesh.
+#
+# On a (2, 2) mesh each weight ends up with 2D placements. The sharded parameter (what the
+# optimizer steps) is split over all four ranks; after FSDP's all-gather over `"dp"`
+# (`unshard()`), what the matmuls see is the tp-local slice:
+
+# %%
+layout = [r["layout"] for r in tour]
+print(f"{'parameter':26s} {'sharded placements':44s} {'sharded':>10s} {'tp-local':>10s}")
+for name, row in layout[0]["params"].items():
+    print(f"{name:26s} {row['placements']:44s} {str(row['sharded_local']):>10s} "
+          f"{str(row['tp_local']):>10s}")
+wq = layout[0]["params"]["attention.wq.weight"]
+assert wq["global"] == (64, 64) and wq["tp_local"] == (32, 64) and wq["sharded_local"] == (16, 64)
+assert layout[0]["params"]["attention_norm.weight"]["tp_placements"] == "-"  # plain: not TP'd
+
+# %% [markdown]
+# `_StridedShard(dim=0, sf=2)` is FSDP saying "I split dim 0 again, on top of TP's split": the
+# dp shards interleave with the tp shards so that the all-gather over `"dp"` rebuilds exactly
+# the tp-local rows. Without sequence parallel the norm weights are not TP'd at all, so they
+# live on the `"dp"` mesh only (which is why the lab's `clip_grad_norm_` groups gradients by mesh).
+#
+# ## What goes wrong
+#
+# Four mistakes, run on 4 ranks: block keys handed to the root model, FSDP applied before TP,
+# and two wrong mesh sizes.
+
+# %%
+per_rank = [r["mistakes"] for r in tour]
+mistakes = per_rank[0]
+for key, value in mistakes.items():
+    print(f"{key}: {value}")
+small_mesh = [r["small_mesh_coordinate"] for r in per_rank]
+print("coordinates in a (1, 2) mesh on 4 ranks:", small_mesh)
+assert small_mesh[2] is None and small_mesh[3] is None  # ranks 2 and 3 are not in the mesh
+assert mistakes["root_plan_warnings"] and not mistakes["root_plan_wq_is_dtensor"]
+assert "'attention.wq' matches no submodule of TinyLlama" in mistakes["guard"]
+assert "Cannot distribute a DTensor" in mistakes["fsdp_then_tp"]
+assert "Mesh should not be bigger than default world size" in mistakes["mesh_too_big"]
+
+# %% [markdown]
+# - A plan key that matches nothing is **only a warning**: `wq` stayed a plain, full tensor on
+#   every rank. The lab's `check_plan_keys` turns that into a `ValueError` naming the key.
+# - FSDP first fails: `fully_shard` already made the weights DTensors on the `"dp"` mesh, and
+#   TP cannot re-distribute them onto `"tp"`.
+# - A mesh bigger than the world raises; a smaller one does **not**: ranks 2 and 3 got the
+#   coordinate `None`. They are outside the mesh and would sit idle, or hang the first
+#   collective that expects them.
+#
+# ## Run the lab
+#
+# Four ranks, three mesh shapes (dp, tp) = (4, 1), (2, 2), (1, 4), without and with sequence
+# parallel. Each run keeps the per-rank micro-batch at 4 sequences (`--batch-size 4 x dp`), so
+# the comparison isolates what TP divides. `--check-parity` trains the same batches in one process
+# and compares parameters (in float64, see below); `--count-comms` measures step 1 with
+# `CommDebugMode` and counts the bytes autograd saves for backward.
+
+# %%
+workdir = Path(tempfile.mkdtemp(prefix="lesson03-"))
+env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_lab(nproc, *args):
+    out = workdir / f"run-{len(list(workdir.iterdir()))}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), str(ROOT / "labs" / "lab03_tp_fsdp.py"), *map(str, args),
+           "--metrics-out", str(out)]
+    proc = subprocess.run(cmd, check=True, timeout=300, env=env, capture_output=True, text=True)
+    print(proc.stdout.strip().splitlines()[-1])
+    return json.loads(out.read_text())
+
+
+runs = {}
+for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
+    dp = 4 // tp
+    runs[tp, sp] = run_lab(4, "--tp", tp, "--batch-size", 4 * dp, "--steps", 2, "--check-parity",
+                           "--count-comms", *(["--sequence-parallel"] if sp else []))
+assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
+
+# %% [markdown]
+# Parity holds on every mesh. Why float64? TP changes the *order* of floating-point sums (a
+# row-parallel matmul adds two half-sums), so fp32 results differ in the last bits, and AdamW
+# divides each gradient by its own running magnitude: on the few entries whose gradient is
+# nearly zero, last-bit noise becomes a visible parameter difference. In fp32 it looks like this:
+
+# %%
+fp32 = run_lab(2, "--tp", 2, "--steps", 3, "--check-parity", "--parity-dtype", "float32",
+               "--parity-tol", "1e-2")
+loss_gap = max(abs(l - r) for (_, l), r in zip(fp32["losses"], fp32["reference_losses"]))
+print(f"fp32: max |param diff| {fp32['parity_max_abs_diff']:.1e}, max |loss diff| {loss_gap:.1e}")
+assert loss_gap < 1e-5 < fp32["parity_max_abs_diff"]
+
+# %% [markdown]
+# The losses agree to rounding, while a few parameters differ by much more than 1e-5: that is
+# AdamW amplifying rounding, not a bug. In float64 the same comparison is exact to ~1e-13,
+# which is why the lab checks parity there.
+#
+# ### Memory per rank against tp
+
+# %%
+tps = [1, 2, 4]
+state = [runs[t, False]["state_bytes_per_rank"][0] for t in tps]
+acts = [runs[t, False]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
+acts_sp = [runs[t, t > 1]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+left.plot(tps, [(s["params"] + s["optimizer"]) / 2**20 for s in state], "o-")
+left.set(title="params + AdamW state per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
+         xticks=tps, ylim=(0, None))
+right.plot(tps, acts, "o-", label="TP")
+right.plot(tps, acts_sp, "s--", label="TP + sequence parallel")
+right.set(title="saved activations per rank (micro-batch 4)", xlabel="tp", ylabel="MiB",
+          xticks=tps, ylim=(0, None))
+right.legend()
+plt.show()
+print("activation MiB, TP:", [f"{x:.2f}" for x in acts], "TP+SP:", [f"{x:.2f}" for x in acts_sp])
+params = [s["params"] for s in state]
+assert max(params) < 1.01 * min(params)  # 2D sharding: every mesh shape splits 4 ways
+assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < acts[2]
+
+# %% [markdown]
+# Parameters and optimizer state are split over all four ranks whatever the shape, so they stay
+# flat (the norm weights, replicated over tp without SP, are the one tiny exception). Saved activations fall as tp grows, and fall further with sequence parallel, which also
+# splits the norms and the residual stream. (These runs hold float64 because of
+# `--check-parity`; the ratios are what matter.)
+#
+# ### Communication per step against tp
+#
+# `CommDebugMode` names every collective. TP's come from DTensor (`c10d_functional.*`), FSDP's
+# from `fully_shard` (`c10d.*`), so one step's payload splits cleanly:
+
+# %%
+def payload_mib(metrics, prefix):
+    return sum(v for k, v in metrics["comm_payload_bytes_per_step"].items()
+               if k.startswith(prefix)) / 2**20
+
+
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for sp, style in [(False, "o-"), (True, "s--")]:
+    ax.plot(tps, [payload_mib(runs[t, sp and t > 1], "c10d_functional.") for t in tps], style,
+            label=f"TP collectives{' (SP)' if sp else ''}")
+ax.plot(tps, [payload_mib(runs[t, False], "c10d.") for t in tps], "^:", label="FSDP collectives")
+ax.set(title="payload per step per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB", xticks=tps)
+ax.legend()
+plt.show()
+fsdp = [payload_mib(runs[t, False], "c10d.") for t in tps]
+tp_traffic = [payload_mib(runs[t, False], "c10d_functional.") for t in tps]
+print("FSDP MiB:", [f"{x:.2f}" for x in fsdp], "TP MiB:", [f"{x:.2f}" for x in tp_traffic])
+assert fsdp[0] > fsdp[1] > fsdp[2] and tp_traffic[1] > 10 * tp_traffic[0]
+
+# %% [markdown]
+# FSDP's traffic shrinks as tp grows (each dp rank gathers only its tp-local slice, and at
+# dp = 1 there is nothing to gather); TP's traffic appears as soon as tp > 1 and is
+# activation-sized. At tp = 1 the only TP-side collectives left are the gradient-norm reductions.
+#
+# ### The Megatron-LM count, checked
+#
+# Per block, the analysis predicts: without SP, two all-reduces forward (after `wo` and `w2`)
+# and two backward (the `f` before attention and MLP); with SP, each all-reduce becomes an
+# all-gather / reduce-scatter pair, plus one small all-reduce per norm for its weight gradient,
+# which is partial because each rank saw only its tokens.
+
+# %%
+def tp_only(counts):
+    return {k.split(".")[-1]: v for k, v in counts.items() if k.startswith("c10d_functional.")}
+
+
+for sp in (False, True):
+    block = runs[2, sp]["comm_counts_block0"]
+    print(f"SP {sp}: forward {tp_only(block['forward'])} | backward {tp_only(block['backward'])}")
+assert tp_only(runs[2, False]["comm_counts_block0"]["forward"]) == {"all_reduce": 2}
+assert tp_only(runs[2, False]["comm_counts_block0"]["backward"]) == {"all_reduce": 2}
+assert tp_only(runs[2, True]["comm_counts_block0"]["forward"]) == {
+    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+assert tp_only(runs[2, True]["comm_counts_block0"]["backward"]) == {
+    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
+
+# %% [markdown]
+# An all-reduce costs what a reduce-scatter plus an all-gather cost (that is how ring
+# all-reduce works), so sequence parallel moves the same bytes as plain TP while sharding
+# activations that plain TP keeps whole.
+#
+# ## A worked cluster plan
+#
+# 8 nodes x 8 GPUs = 64 ranks, tp = 4. The mesh must cover every rank: dp = 64 / 4 = 16, so
+# `init_device_mesh("cuda", (16, 4), mesh_dim_names=("dp", "tp"))`. A common mistake is
+# `(8, 4)`: that is 32 ranks. A mesh bigger than the world raises (above); a smaller one silently
+# leaves ranks out. With `"tp"` as the last axis, each TP group is 4 consecutive ranks, and
+# torchrun numbers the ranks of one node consecutively, so TP never crosses a node:
+
+# %%
+import torch  # noqa: E402
+
+nodes, gpus_per_node, tp = 8, 8, 4
+world = nodes * gpus_per_node
+mesh = torch.arange(world).reshape(world // tp, tp)  # the layout init_device_mesh uses
+tp_groups, dp_groups = mesh.tolist(), mesh.t().tolist()
+print(f"mesh {tuple(mesh.shape)}; TP group of rank 13: {tp_groups[13 // tp]}; "
+      f"its dp group: {dp_groups[13 % tp]}")
+assert tuple(mesh.shape) == (16, 4) and 8 * 4 != world
+assert all(len({r // gpus_per_node for r in group}) == 1 for group in tp_groups)  # one node each
+assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all nodes
+
+# %% [markdown]
+# The plan is applied per block (`for block in model.layers.values(): parallelize_module(block,
+# mesh["tp"], block_plan)`), never once at the root with block-relative keys: those match
+# nothing at the root and, as shown above, PyTorch only warns.
+#
+# ## Summary
+#
+# - TP splits every matmul of a block across the ranks of a TP group: weights *and* activations
+#   shrink, at the price of collectives inside every layer, so keep TP on a node's fast links.
+# - Column-parallel then row-parallel needs one all-reduce forward and one backward per half
+#   block; sequence parallel turns each into an all-gather / reduce-scatter pair and also shards
+#   norms and the residual stream.
+# - Build order: 2D mesh `("dp", "tp")`, `parallelize_module` per block on `mesh["tp"]`, then
+#   `fully_shard` per block and the root on `mesh["dp"]`. Guard plan keys: a typo only warns.
+# - DCP checkpoints are sharded and carry global offsets: the lab's tests resume a (2, 2)
+#   checkpoint on (4, 1) and (1, 2).
+# - TP is exact math but not bitwise: check parity in float64; in fp32 AdamW amplifies rounding.
+#
+# ## Exercises
+#
+# 1. `--tp`: run `torchrun --nproc-per-node 4 labs/lab03_tp_fsdp.py --tp 4 --count-comms` and
+#    `--tp 1`; compare `comm_payload_bytes_per_step` in the metrics JSON.
+# 2. `--sequence-parallel` with `--seq-len 30 --tp 4`: read the error, then fix `--seq-len`.
+# 3. `--loss-parallel`: compare the `all_gather_into_tensor` payload with and without it. Which
+#    tensor is no longer gathered?
+# 4. `--num-heads 2 --tp 4`: why does the lab refuse, and what would happen to a head split
+#    across ranks?
+# 5. Rename `"attention.wq"` in `block_plan` to `"attention.q"` in a copy of the lab and run it:
+#    which line stops you, and what would PyTorch alone have done?
+# 6. `--parity-dtype float32 --parity-tol 1e-2`: how does the max parameter difference change
+#    with `--steps`? Which parameters carry it?
+#
+# ## If it breaks
+#
+# - Out of memory after adding TP: [the OOM runbooks](../runbooks/oom-mitigations.md).
+# - A rank hangs in a collective (often a mesh that does not cover every rank, or ranks that
+#   disagree on the plan): [collective timeouts](../runbooks/collective-timeout.md),
+#   [a stuck rank](../runbooks/stuck-rank.md).
+# - Start-up hangs: [startup hang](../runbooks/startup-hang.md); everything else:
+#   [the runbook index](../runbooks/index.md).

@@ -1,0 +1,183 @@
+"""Lab 03, 2D TP + FSDP: parity for every mesh shape, resume across mesh shapes, collective
+counts against the Megatron-LM analysis, the plan-key guard and bad inputs.
+
+Each (dp, tp, sequence parallel) cell is launched once (module-scoped cache); several tests read
+its metrics. Parity runs in float64 (the lab's default under --check-parity): TP changes the
+order of floating-point sums, so only float64 can show that the two programs compute the same
+function; the float32 gap is reported by the lesson.
+"""
+
+import importlib.util
+import shutil
+
+import pytest
+
+from launcher import LABS, PYTHON, run, run_lab
+
+LAB = "lab03_tp_fsdp"
+STEPS, CHECKPOINT_EVERY = 6, 3
+NUM_LAYERS = 2  # the lab's default --num-layers
+CELLS = [(1, 2, False), (1, 2, True), (2, 2, False), (2, 2, True), (4, 1, False), (4, 1, True)]
+SAVER = (2, 2, False)  # this cell also writes checkpoints for the resume tests
+_launched = {}
+
+
+def cell_id(cell):
+    dp, tp, sp = cell
+    return f"dp{dp}-tp{tp}-{'sp' if sp else 'nosp'}"
+
+
+def launch(cell, tmp_path_factory):
+    """Run one cell (once per module): parity, comm counts, and for SAVER checkpoints."""
+    if cell not in _launched:
+        dp, tp, sp = cell
+        tmp = tmp_path_factory.mktemp(cell_id(cell))
+        args = ["--tp", tp, "--steps", STEPS, "--check-parity", "--count-comms"]
+        if sp:
+            args += ["--sequence-parallel", "--loss-parallel"]
+        if cell == SAVER:
+            args += ["--checkpoint-dir", tmp / "ckpt", "--checkpoint-every", CHECKPOINT_EVERY]
+        proc, metrics = run_lab(LAB, dp * tp, args, tmp, timeout=300)
+        _launched[cell] = (proc, metrics, tmp)
+    return _launched[cell]
+
+
+def tp_ops(counts):
+    """Collectives DTensor issued for TP (c10d_functional.*), not FSDP's (c10d.*)."""
+    return {op.split(".")[-1]: n for op, n in counts.items() if op.startswith("c10d_functional.")}
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
+def test_parity_with_single_process(cell, tmp_path_factory):
+    proc, metrics, _ = launch(cell, tmp_path_factory)
+    dp, tp, _ = cell
+    print(f"\nparity {cell_id(cell)}: {metrics['parity_max_abs_diff']:.1e}")  # shown with -s
+    assert metrics["mesh"] == [dp, tp]
+    assert metrics["parity_max_abs_diff"] <= metrics["parity_tol"] == 1e-5
+    assert len(metrics["reference_losses"]) == STEPS
+    for (_, loss), ref in zip(metrics["losses"], metrics["reference_losses"]):
+        assert abs(loss - ref) <= 1e-9, (loss, ref)
+    assert metrics["losses"][-1][1] < metrics["losses"][0][1]  # it learns
+    assert proc.stdout.strip().splitlines()[-1].startswith(f"done | {LAB} | gloo x{dp * tp} |")
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
+def test_each_rank_holds_its_slice(cell, tmp_path_factory):
+    _, metrics, _ = launch(cell, tmp_path_factory)
+    dp, tp, _ = cell
+    dim, num_heads = metrics["config"]["dim"], metrics["config"]["num_heads"]
+    assert metrics["wq_tp_local_width"] == dim // tp  # heads split by TP ...
+    assert metrics["local_heads"] == num_heads // tp  # ... without touching module attributes
+    per_rank = [s["params"] for s in metrics["state_bytes_per_rank"]]
+    # Every parameter is sharded over all dp x tp ranks (the sizes divide evenly here).
+    world_total = sum(per_rank)
+    assert all(abs(b - world_total / (dp * tp)) <= 0.01 * world_total for b in per_rank), per_rank
+
+
+@pytest.mark.parametrize("cell", [c for c in CELLS if c[1] == 2], ids=cell_id)
+def test_block_collectives_match_megatron(cell, tmp_path_factory):
+    """Megatron-LM per block: without SP, one all-reduce after attention and one after the MLP
+    in forward, and one before each in backward. With SP, each becomes an all-gather /
+    reduce-scatter pair, plus one all-reduce per norm of its (partial) weight gradient."""
+    _, metrics, _ = launch(cell, tmp_path_factory)
+    block = metrics["comm_counts_block0"]
+    print(f"\nblock 0 {cell_id(cell)}: {block}\nstep: {metrics['comm_counts_per_step']}")
+    if cell[2]:
+        assert tp_ops(block["forward"]) == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+        assert tp_ops(block["backward"]) == {"all_gather_into_tensor": 2,
+                                             "reduce_scatter_tensor": 2, "all_reduce": 2}
+    else:
+        assert tp_ops(block["forward"]) == {"all_reduce": 2}
+        assert tp_ops(block["backward"]) == {"all_reduce": 2}
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
+def test_fsdp_collectives_per_step(cell, tmp_path_factory):
+    """FSDP over dp: per unit (each block + the root) one all-gather in forward and one
+    reduce-scatter in backward; blocks (resharded after forward) all-gather again in backward.
+    With dp = 1 FSDP skips them; with tp = 1 DTensor has nothing to communicate."""
+    _, metrics, _ = launch(cell, tmp_path_factory)
+    dp, tp, _ = cell
+    counts = metrics["comm_counts_per_step"]
+    fsdp = {op: n for op, n in counts.items() if op.startswith("c10d.")}
+    expected = {"c10d._allgather_base_": 2 * NUM_LAYERS + 1,
+                "c10d._reduce_scatter_base_": NUM_LAYERS + 1} if dp > 1 else {}
+    assert fsdp == expected
+    if tp == 1:
+        assert tp_ops(counts).keys() <= {"all_reduce"}  # only the grad-norm reduction over dp
+
+
+@pytest.mark.parametrize("mesh", [(4, 1), (1, 2)], ids=["to-dp4-tp1", "to-dp1-tp2"])
+def test_resume_on_another_mesh(mesh, tmp_path_factory):
+    """A DCP checkpoint written on (2, 2) at step 3 resumes on another mesh; steps 4..6 repeat
+    the uninterrupted run's losses, and the end state still matches the single-process run."""
+    _, saver_metrics, saver_tmp = launch(SAVER, tmp_path_factory)
+    dp, tp = mesh
+    tmp = tmp_path_factory.mktemp(f"resume-dp{dp}-tp{tp}")
+    shutil.copytree(saver_tmp / "ckpt", tmp / "ckpt")
+    shutil.rmtree(tmp / "ckpt" / f"step_{STEPS:08d}")  # keep step 3 only
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == [f"step_{CHECKPOINT_EVERY:08d}"]
+    proc, metrics = run_lab(LAB, dp * tp, ["--tp", tp, "--steps", STEPS, "--resume",
+                                           "--checkpoint-dir", tmp / "ckpt", "--check-parity"],
+                            tmp, timeout=300)
+    assert f"at step {CHECKPOINT_EVERY}" in proc.stdout
+    resumed = metrics["losses"]
+    assert [s for s, _ in resumed] == list(range(CHECKPOINT_EVERY + 1, STEPS + 1))
+    for (_, loss), (_, expected) in zip(resumed, saver_metrics["losses"][CHECKPOINT_EVERY:]):
+        assert abs(loss - expected) <= 1e-6, (loss, expected)
+    assert metrics["parity_max_abs_diff"] <= 1e-5
+
+
+def load_lab():
+    spec = importlib.util.spec_from_file_location(LAB, LABS / f"{LAB}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_key_guard():
+    lab = load_lab()
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    cfg = lab.parse_config(["--tp", "1"])
+    model = lab.build_model(cfg)
+    block = model.layers["0"]
+    for sp in (False, True):  # the lab's own plans name real modules
+        cfg.sequence_parallel = cfg.loss_parallel = sp
+        lab.check_plan_keys(block, lab.block_plan(cfg))
+        lab.check_plan_keys(model, lab.root_plan(cfg))
+    lab.check_plan_keys(model, {"layers.*.attention.wq": ColwiseParallel()})  # fnmatch keys
+    with pytest.raises(ValueError, match="'attention.wqq'"):
+        lab.check_plan_keys(block, {"attention.wq": ColwiseParallel(),
+                                    "attention.wqq": ColwiseParallel()})
+    with pytest.raises(ValueError, match="'attention.wq' matches no submodule of TinyLlama"):
+        lab.check_plan_keys(model, {"attention.wq": ColwiseParallel()})  # a block key at the root
+
+
+BAD_INPUTS = [
+    ("1", [], "--tp: 2 does not divide the world size 1"),
+    ("4", ["--tp", "3"], "--tp: 3 does not divide the world size 4"),
+    ("4", ["--tp", "4", "--num-heads", "2"], "--tp: 4 does not divide --num-heads = 2"),
+    ("2", ["--sequence-parallel", "--seq-len", "33"],
+     "--tp: 2 does not divide --seq-len (with --sequence-parallel) = 33"),
+    ("2", ["--tp", "0"], "--tp: must be > 0, got 0"),
+]
+
+
+@pytest.mark.parametrize("world_size,args,message", BAD_INPUTS,
+                         ids=["plain-python", "tp-3-of-4", "heads", "seq-len", "tp-0"])
+def test_bad_input_is_one_line_and_exit_2(world_size, args, message):
+    # Validation runs before any process group, so a plain process with WORLD_SIZE set sees
+    # exactly what every torchrun rank would.
+    proc = run([PYTHON, str(LABS / f"{LAB}.py"), *args], timeout=60, check=False,
+               env={"WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_plain_python_world_of_one(tmp_path):
+    proc, metrics = run_lab(LAB, 0, ["--tp", "1", "--steps", 3, "--check-parity"], tmp_path)
+    assert metrics["world_size"] == 1 and metrics["mesh"] == [1, 1]
+    assert metrics["parity_max_abs_diff"] <= 1e-5
+    assert proc.stdout.strip().splitlines()[-1].startswith(f"done | {LAB} | gloo x1 |")
