@@ -1,0 +1,1141 @@
+"""Lab 04: pipeline parallelism, every schedule, with a measured timeline.
+
+What it teaches: the model is cut by layer index into stages; each rank runs its stages and
+passes activations forward and gradients backward with point-to-point send/recv only (no
+collective touches the model). A batch is split into microbatches so stages work at the same
+time; the idle time at the start and end of each step is the bubble. `--schedule` picks any
+schedule `torch.distributed.pipelining` offers; the run records when every forward / backward
+(input and weight, where the schedule splits them) ran on every rank, measures the bubble and
+counts the activation bytes each rank keeps for backward. `--check-parity` retrains in one
+process on the same batches: the loss, the first step's gradients and the final parameters
+must match within 1e-5 (fp32 on CPU). `--dp N` runs N pipelines side by side, each stage
+sharded with FSDP over the "dp" axis of a ("dp", "pp") mesh.
+
+Launch (the same file everywhere; the backend follows the hardware):
+    torchrun --nproc-per-node 2 labs/lab04_pipeline.py --check-parity        # 1F1B, 2 stages
+    torchrun --nproc-per-node 2 labs/lab04_pipeline.py --schedule Interleaved1F1B \\
+        --stages-per-rank 2 --microbatches 4 --check-parity                   # 4 stages on 2 ranks
+    torchrun --nproc-per-node 4 labs/lab04_pipeline.py --dp 2 --check-parity  # 2 x 2-stage pipes
+    torchrun --nproc-per-node 8 labs/lab04_pipeline.py --num-layers 8 \
+        --microbatches 16 --batch-size 64                                     # one node, 8 GPUs
+    # two nodes (run on each; same --rdzv-id everywhere, node 0's address as the endpoint;
+    # --checkpoint-dir must be on a filesystem every node sees):
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint $HEAD_NODE:29400 --rdzv-id $JOB_ID labs/lab04_pipeline.py \
+        --num-layers 16 --microbatches 32 --batch-size 64
+
+Schedules (class name without "Schedule"; the lab rejects a combination the class cannot run):
+    GPipe, 1F1B                      one stage per rank
+    Interleaved1F1B, LoopedBFS,      --stages-per-rank V (default 2), stage s on rank s % pp
+    InterleavedZeroBubble
+    ZBVZeroBubble, DualPipeV         exactly 2 stages per rank in a V: rank r holds r and 2pp-1-r
+
+Minimum world size: 2 (a pipeline of one rank has nothing to send; plain `python` says so and
+exits 2). Expected last line (first command above; numbers vary slightly with hardware):
+    done | lab04_pipeline | gloo x2 | 40 steps | loss 0.36... | parity 2.4e-07 | ...
+Lesson: lessons/04_pipeline.py. Runbooks: runbooks/collective-timeout.md, stuck-rank.md,
+oom-mitigations.md.
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import socket
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.pipelining as pipelining
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+LAB_NAME = "lab04_pipeline"
+
+
+# --8<-- [start:cli]
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; a lab prints one line and exits 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail_config(flag, message):
+    """Reject a bad value before any process group exists: one line, exit status 2."""
+    print(f"{Path(sys.argv[0]).name}: error: {flag}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def add_common_args(parser):
+    arg = parser.add_argument
+    arg("--steps", type=int, default=40, help="optimizer steps in total")
+    arg("--batch-size", type=int, default=16, help="global batch, in sequences per optimizer step")
+    arg("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    arg("--seq-len", type=int, default=32, help="tokens per sequence")
+    arg("--dim", type=int, default=64, help="model width")
+    arg("--num-layers", type=int, default=2, help="transformer blocks")
+    arg("--num-heads", type=int, default=4, help="attention heads")
+    arg("--vocab-size", type=int, default=64, help="vocabulary size")
+    arg("--num-samples", type=int, default=512, help="synthetic dataset size (sequences)")
+    arg("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    arg("--clip", type=float, default=1.0, help="max gradient norm (0 disables clipping)")
+    arg("--seed", type=int, default=0, help="seed for init, data order and RNG")
+    arg("--device", choices=["auto", "cpu", "cuda"], default="auto",
+        help="auto: cuda + nccl when every local rank has a GPU, else cpu + gloo")
+    arg("--amp", choices=["auto", "bf16", "off"], default="auto",
+        help="autocast dtype for the forward pass; auto = bf16 on cuda, off (fp32) on cpu")
+    arg("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    arg("--timeout-s", type=float, default=120.0,
+        help="seconds any collective or worker may block before it becomes an error")
+    arg("--log-every", type=int, default=10, help="steps between log lines")
+    arg("--checkpoint-dir", default="", help="where checkpoints go; resumes from the newest")
+    arg("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: end only)")
+    arg("--resume", action="store_true", help="require a checkpoint in --checkpoint-dir")
+    arg("--stop-at-step", type=int, default=0,
+        help="checkpoint and stop after this step, as if interrupted (0: run to --steps)")
+    arg("--metrics-out", default="", help="write the final metrics JSON here (rank 0)")
+    arg("--check-parity", action="store_true",
+        help="retrain in one process on the same global batches and compare parameters")
+    arg("--parity-tol", type=float, default=1e-5, help="max |param diff| allowed by --check-parity")
+    arg("--fail-at-step", type=int, default=0,
+        help="fault drill: --fail-rank dies abruptly at this step, first attempt only (0: never)")
+    arg("--fail-rank", type=int, default=0, help="fault drill: which rank dies")
+    arg("--crash-in-checkpoint", type=int, default=0,
+        help="fault drill: die while writing the checkpoint of this step, before it is complete")
+
+
+def validate_common(cfg, world_size):
+    positive = ["steps", "batch_size", "grad_accum", "seq_len", "dim", "num_layers",
+                "num_heads", "vocab_size", "num_samples", "lr", "timeout_s", "log_every"]
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
+    for name in ["clip", "num_workers", "checkpoint_every", "stop_at_step", "parity_tol",
+                 "fail_at_step", "fail_rank", "crash_in_checkpoint"]:
+        if getattr(cfg, name) < 0:
+            fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
+    if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
+        fail_config("--dim", f"{cfg.dim} must split into --num-heads {cfg.num_heads} even-sized heads")
+    per_micro_step = world_size * cfg.grad_accum
+    if cfg.batch_size % per_micro_step:
+        fail_config("--batch-size", f"{cfg.batch_size} must be divisible by world size x "
+                    f"--grad-accum = {world_size} x {cfg.grad_accum}")
+    if cfg.num_samples < cfg.batch_size:
+        fail_config("--num-samples", f"{cfg.num_samples} is smaller than one global batch")
+    if cfg.fail_rank >= world_size:
+        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
+    if cfg.stop_at_step > cfg.steps:
+        fail_config("--stop-at-step", f"{cfg.stop_at_step} is beyond --steps {cfg.steps}")
+    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step or cfg.crash_in_checkpoint) \
+            and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every, "
+                    "--stop-at-step and --crash-in-checkpoint")
+    if cfg.resume and not latest_checkpoint(cfg.checkpoint_dir):
+        fail_config("--resume", f"no complete checkpoint in {cfg.checkpoint_dir}")
+    if cfg.device == "cuda" and torch.cuda.device_count() < local_world_size():
+        fail_config("--device", f"cuda needs one GPU per local rank: {local_world_size()} ranks, "
+                    f"{torch.cuda.device_count()} GPUs visible; use --device cpu")
+    if cfg.check_parity and resolve_amp(cfg, pick_device_type(cfg)) != "off":
+        fail_config("--check-parity", "needs fp32 (--amp off): bf16 rounding is far above 1e-5")
+# --8<-- [end:cli]
+
+
+# Every schedule in torch.distributed.pipelining, named as its class without "Schedule".
+# placement: "loop" puts stage s on rank s % pp (stages 0..pp-1 on ranks 0..pp-1, then again);
+#   "v" puts rank r's two stages at r and 2pp-1-r, so the first and last stages share rank 0
+#   and the turn of the V (stages pp-1, pp) stays on one rank without a send.
+# stages_per_rank: fixed by the schedule, or None when --stages-per-rank V chooses it.
+# microbatches: what the class constructor demands of m (it raises ValueError otherwise):
+#   "any"; "per_stage": m >= number of stages; "rounds": m runs in max(1, m // pp) rounds and
+#   must divide evenly into them (pp=2: m=5 fails, m=4 or 6 work).
+# since: the first torch release that ships the class (older ones get a one-line error).
+SCHEDULES = {
+    # Fill all forwards, then drain all backwards: m microbatches of activations held at once.
+    "GPipe": dict(placement="loop", stages_per_rank=1, microbatches="any", since="2.4"),
+    # Warm up with pp - rank forwards, then alternate: at most pp - rank microbatches in flight.
+    "1F1B": dict(placement="loop", stages_per_rank=1, microbatches="per_stage", since="2.4"),
+    # Megatron's interleaving: V stages per rank cut the bubble by V, for V x more sends.
+    "Interleaved1F1B": dict(placement="loop", stages_per_rank=None, microbatches="rounds",
+                            since="2.4"),
+    # Breadth-first: all microbatches through a rank's first stage before its next stage.
+    "LoopedBFS": dict(placement="loop", stages_per_rank=None, microbatches="any", since="2.4"),
+    # Zero bubble (ZB-H1 shape, interleaved): backward split into input-grad (I), which the
+    # previous stage is waiting for, and weight-grad (W), which fills the idle slots later.
+    "InterleavedZeroBubble": dict(placement="loop", stages_per_rank=None,
+                                  microbatches="rounds", since="2.5"),
+    # Zero bubble in a V; the class raises unless exactly 2 stages per rank.
+    "ZBVZeroBubble": dict(placement="v", stages_per_rank=2, microbatches="any", since="2.6"),
+    # DeepSeek's DualPipe cut in half (a V). The F/B overlap it schedules runs one after the
+    # other in this implementation.
+    "DualPipeV": dict(placement="v", stages_per_rank=2, microbatches="per_stage", since="2.9"),
+}
+
+
+def microbatch_problem(rule, m, pp_size, num_stages):
+    """Why the schedule class would refuse m microbatches, or None."""
+    if rule == "per_stage" and m < num_stages:
+        return f"needs >= {num_stages} (one per stage), got {m}"
+    rounds = max(1, m // pp_size)
+    if rule == "rounds" and m % rounds:
+        return f"runs in max(1, m // pp) = {rounds} rounds, and {m} does not divide by {rounds}"
+    return None
+
+
+def schedule_class(name):
+    """The schedule class, or None when the installed torch predates it."""
+    return getattr(pipelining, f"Schedule{name}", None)
+
+
+def parse_config(argv=None):
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.set_defaults(num_layers=4)  # 2 ranks x 2 stages per rank need at least 4 blocks
+    arg = parser.add_argument
+    arg("--schedule", choices=list(SCHEDULES), default="1F1B",
+        help="pipeline schedule (the torch class name without 'Schedule')")
+    arg("--microbatches", type=int, default=4,
+        help="microbatches per optimizer step; each dp replica splits its batch into this many")
+    arg("--stages-per-rank", type=int, default=0,
+        help="stages (model chunks) per rank; 0 = what the schedule needs (1, or 2 for the "
+             "interleaved and V schedules)")
+    arg("--dp", type=int, default=1,
+        help="data-parallel degree; world size = dp x pp, each stage sharded with FSDP over dp")
+    cfg = parser.parse_args(argv)
+    world_size = world_size_from_env()
+    validate_common(cfg, world_size)
+    validate_pipeline(cfg, world_size)
+    return cfg
+
+
+def validate_pipeline(cfg, world_size):
+    """Reject what the schedule classes would reject, before any process exists to hang."""
+    spec = SCHEDULES[cfg.schedule]
+    if schedule_class(cfg.schedule) is None:
+        fail_config("--schedule", f"{cfg.schedule} needs torch >= {spec['since']}, "
+                    f"this is {torch.__version__}")
+    if cfg.grad_accum != 1:
+        fail_config("--grad-accum", "must be 1: pipeline microbatches already accumulate "
+                    "gradients; use --microbatches")
+    for flag in ("microbatches", "dp"):
+        if getattr(cfg, flag) <= 0:
+            fail_config(f"--{flag}", f"must be > 0, got {getattr(cfg, flag)}")
+    if world_size % cfg.dp:
+        fail_config("--dp", f"{cfg.dp} does not divide world size {world_size}")
+    pp_size = world_size // cfg.dp
+    if pp_size < 2:
+        fail_config("--dp", f"leaves a pipeline of {pp_size} rank (world size {world_size} / "
+                    f"dp {cfg.dp}); run under torchrun with --nproc-per-node >= 2 x --dp")
+    fixed = spec["stages_per_rank"]
+    if cfg.stages_per_rank == 0:
+        cfg.stages_per_rank = fixed or 2
+    elif fixed and cfg.stages_per_rank != fixed:
+        fail_config("--stages-per-rank", f"{cfg.schedule} runs exactly {fixed} stage(s) per "
+                    f"rank, got {cfg.stages_per_rank}")
+    num_stages = pp_size * cfg.stages_per_rank
+    if cfg.num_layers % num_stages:
+        fail_config("--num-layers", f"{cfg.num_layers} must split evenly into pp x "
+                    f"stages-per-rank = {pp_size} x {cfg.stages_per_rank} = {num_stages} stages")
+    if cfg.batch_size % (cfg.dp * cfg.microbatches):
+        fail_config("--microbatches", f"--batch-size {cfg.batch_size} must split into --dp x "
+                    f"--microbatches = {cfg.dp} x {cfg.microbatches} equal microbatches")
+    problem = microbatch_problem(spec["microbatches"], cfg.microbatches, pp_size, num_stages)
+    if problem:
+        fail_config("--microbatches", f"{cfg.schedule} with {num_stages} stages on {pp_size} "
+                    f"ranks {problem}")
+
+
+# --8<-- [start:setup]
+def world_size_from_env():
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_world_size():
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def pick_device_type(cfg):
+    if cfg.device != "auto":
+        return cfg.device
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size()
+    return "cuda" if enough_gpus else "cpu"
+
+
+def resolve_amp(cfg, device_type):
+    if cfg.amp == "auto":
+        return "bf16" if device_type == "cuda" else "off"
+    return cfg.amp
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(cfg):
+    """Start the process group; without torchrun, become a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    device_type = pick_device_type(cfg)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = attempt_store(rank, world_size, timeout)
+    if device_type == "cuda":
+        # set_device first: otherwise every rank's NCCL communicator lands on cuda:0.
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    return rank, world_size, device
+
+
+def attempt_store(rank, world_size, timeout):
+    """The rendezvous store that env:// would give us, with keys namespaced by restart attempt.
+
+    torchrun (c10d rendezvous, torch <= 2.13 at least) hands every restart attempt the same
+    TCPStore, so a restarted worker can read the dead attempt's gloo/NCCL addresses and fail
+    ("Gloo connectFullMesh failed ... Connection refused") or hang. See runbooks/restart-hang.md.
+    """
+    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=hosts_store, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt{attempt}/", store)
+
+
+def teardown_distributed():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+# --8<-- [end:setup]
+
+
+# --8<-- [start:model]
+def initial_value(name, shape, seed):
+    """Initial value of one parameter, keyed by its name: the same on every rank, whatever
+    the parallel layout, so sharded and pipelined labs can build it piece by piece."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = 0.02 if "embeddings" in name else 1.0 / math.sqrt(shape[-1])
+    return torch.randn(shape, generator=generator) * std
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq_len, head_dim, device):
+    """Rotary-embedding cos/sin, computed per call: no buffers, so DDP has none to broadcast."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)  # fp32 tables must not upcast bf16 q/k
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.head_dim = dim // num_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        bsz, seq_len, _ = x.shape
+        # -1 heads: tensor parallel shards wq/wk/wv by heads, and this still works unchanged.
+        q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        cos, sin = rope_tables(seq_len, self.head_dim, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim)
+        self.attention = Attention(dim, num_heads)
+        self.ffn_norm = RMSNorm(dim)
+        self.feed_forward = FeedForward(dim, 4 * dim)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    """Llama-style decoder. Layers live in a ModuleDict keyed by index, so a pipeline stage can
+    delete the others (and set tok_embeddings / norm / output to None) without renaming."""
+
+    def __init__(self, vocab_size, dim, num_layers, num_heads):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, num_heads) for i in range(num_layers)})
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        for name, param in self.named_parameters():
+            param.copy_(initial_value(name, param.shape, seed))
+
+
+def build_model(cfg):
+    return TinyLlama(cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.num_heads)
+# --8<-- [end:model]
+
+
+# --8<-- [start:data]
+class SyntheticSequences(Dataset):
+    """Arithmetic token sequences: start + stride * t (mod vocab). Sample i is a pure function of
+    (seed, i), so every rank and every rerun sees the same data. After two tokens the rest is
+    predictable, so the loss falls well below ln(vocab)."""
+
+    def __init__(self, num_samples, seq_len, vocab_size, seed):
+        self.num_samples, self.seq_len, self.vocab_size, self.seed = (
+            num_samples, seq_len, vocab_size, seed)
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        generator = torch.Generator().manual_seed(self.seed * 7919 + index)
+        start, stride = torch.randint(0, self.vocab_size, (2,), generator=generator).tolist()
+        tokens = (start + (1 + stride % 7) * torch.arange(self.seq_len + 1)) % self.vocab_size
+        return tokens[:-1], tokens[1:]
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start mid-epoch, so a resumed run sees exactly the batches
+    the interrupted one would have seen next."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start_index = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start_index:])
+
+    def __len__(self):
+        return self.num_samples - self.start_index
+
+
+def micro_batches(cfg, rank, world_size, start_step):
+    """Yield this rank's micro-batches forever, starting at optimizer step `start_step`."""
+    dataset = SyntheticSequences(cfg.num_samples, cfg.seq_len, cfg.vocab_size, cfg.seed)
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                          shuffle=True, seed=cfg.seed, drop_last=True)
+    micro_batch = cfg.batch_size // (world_size * cfg.grad_accum)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True,
+                        num_workers=cfg.num_workers,
+                        timeout=cfg.timeout_s if cfg.num_workers else 0)
+    per_epoch = sampler.num_samples // micro_batch
+    epoch, skip = divmod(start_step * cfg.grad_accum, per_epoch)
+    while True:
+        sampler.set_epoch(epoch)  # without this every epoch repeats the same order
+        sampler.start_index = skip * micro_batch
+        yield from loader
+        epoch, skip = epoch + 1, 0
+# --8<-- [end:data]
+
+
+# --8<-- [start:metrics]
+def peak_memory_bytes(device):
+    """CUDA: peak bytes allocated by tensors. CPU: peak resident set size of the process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def log_line(step, loss, step_s, tokens_per_s, data_share, mem_bytes):
+    return (f"step {step:4d} | loss {loss:.4f} | {step_s * 1e3:.1f} ms | "
+            f"{tokens_per_s:.0f} tok/s | data {data_share:.0%} | mem {mem_bytes / 2**30:.2f} GiB")
+
+
+def write_json_atomic(path, payload):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, path)
+
+
+def summary_line(metrics):
+    parity = metrics["parity_max_abs_diff"]
+    return (f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']} | "
+            f"{metrics['steps']} steps | loss {metrics['final_loss']:.4f} | parity "
+            f"{'n/a' if parity is None else f'{parity:.1e}'} | "
+            f"{metrics['tokens_per_s']:.0f} tok/s | {metrics['wall_time_s']:.1f} s")
+# --8<-- [end:metrics]
+
+
+# --8<-- [start:faults]
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, rerun me"
+
+
+def maybe_inject_failure(cfg, step, rank):
+    """--fail-at-step K --fail-rank R: rank R dies abruptly (no cleanup) at step K. Only on the
+    first attempt, so the run that torchrun restarts can get past it."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and step == cfg.fail_at_step and rank == cfg.fail_rank:
+        print(f"injected failure: rank {rank} exits at step {step}", file=sys.stderr, flush=True)
+        os._exit(13)
+
+
+def maybe_crash_mid_checkpoint(cfg, step):
+    """--crash-in-checkpoint K: die after part of step K's checkpoint is on disk but before it
+    is complete (first attempt only), as an OOM kill or a power cut would."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and step == cfg.crash_in_checkpoint:
+        print(f"injected crash while writing the checkpoint of step {step}", file=sys.stderr,
+              flush=True)
+        os._exit(14)
+
+
+class PreemptionWatch:
+    """SIGTERM (a scheduler preempting the job) only raises a flag; the loop finishes the
+    step, and all ranks agree with one all-reduce so they checkpoint and stop together."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, device):
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+# --8<-- [end:faults]
+
+
+
+# The point of the lab: cut the model into stages, run a schedule over them, time every action.
+def stage_ids_for_rank(pp_rank, pp_size, cfg):
+    """The stages this rank runs, in the order the schedule expects them."""
+    if SCHEDULES[cfg.schedule]["placement"] == "v":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(cfg.stages_per_rank)]
+
+
+def build_stage_module(cfg, stage_id, num_stages, device):
+    """The whole model's stage_id-th slice of layers. Names stay those of the whole model
+    (layers.5.attention.wq.weight), so initial_value gives the weights the single-process
+    reference has, and checkpoint keys do not depend on how the model was cut."""
+    with torch.device("meta"):  # no memory for layers this stage drops
+        module = build_model(cfg)
+    per_stage = cfg.num_layers // num_stages
+    keep = range(stage_id * per_stage, (stage_id + 1) * per_stage)
+    for name in list(module.layers):
+        if int(name) not in keep:
+            del module.layers[name]
+    if stage_id != 0:
+        module.tok_embeddings = None  # TinyLlama.forward then takes hidden states as input
+    if stage_id != num_stages - 1:
+        module.norm, module.output = None, None
+    module.to_empty(device=device)
+    module.init_weights(cfg.seed)
+    return module
+
+
+def apply_fsdp(module, dp_mesh):
+    """Shard one stage over the dp axis: all-gather before compute, reduce-scatter of the
+    gradients once per step (the schedule holds the sync back until the last microbatch)."""
+    # reshard_after_forward=False: with True, each of the m microbatch forwards would
+    # all-gather the stage's parameters again; here they stay unsharded for the whole step.
+    for block in module.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+    return module
+
+
+def inspect_pipeline(stage_modules, stage_ids, num_stages, cfg, device):
+    """What every rank should hold: only its stages' layers, the embedding only on stage 0,
+    norm + output only on the last stage, and together exactly the whole model."""
+    per_stage = cfg.num_layers // num_stages
+    for module, stage_id in zip(stage_modules, stage_ids):
+        expected = [str(i) for i in range(stage_id * per_stage, (stage_id + 1) * per_stage)]
+        assert list(module.layers) == expected, (stage_id, list(module.layers))
+        assert (module.tok_embeddings is not None) == (stage_id == 0)
+        assert (module.output is not None) == (stage_id == num_stages - 1)
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel()  # FSDP: the shard
+                for m in stage_modules for p in m.parameters())
+    total = torch.tensor([local], device=device)
+    dist.all_reduce(total)  # over dp x pp: every parameter element counted exactly once
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in build_model(cfg).parameters())
+    assert total.item() == whole, f"stages hold {total.item()} parameters, model has {whole}"
+    return whole
+
+
+class SavedActivations:
+    """Bytes autograd keeps alive for backward, via saved_tensors_hooks: each storage counted
+    once (several ops often save the same tensor), parameters (and views of them) excluded."""
+
+    def __init__(self):
+        self.refs, self.live, self.peak = {}, 0, 0
+
+    def pack(self, tensor):
+        base = tensor if tensor._base is None else tensor._base
+        if isinstance(base, nn.Parameter):
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        count, nbytes = self.refs.get(key, (0, storage.nbytes()))
+        if count == 0:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = (count + 1, nbytes)
+        # detach(): a saved output that kept its grad_fn would point back at the graph that
+        # saves it, a cycle Python's gc cannot see, and retained graphs (zero-bubble I/W)
+        # would leak. Autograd restores the graph edges itself when it unpacks.
+        return _Saved(tensor.detach(), key, self)
+
+    def unpack(self, saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def release(self, key):
+        count, nbytes = self.refs.pop(key)
+        if count > 1:
+            self.refs[key] = (count - 1, nbytes)
+        else:
+            self.live -= nbytes
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Saved:
+    """A saved tensor; autograd drops it when the microbatch's graph is freed (after B or W)."""
+
+    def __init__(self, tensor, key, owner):
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self):
+        self.owner.release(self.key)
+
+
+class Timeline:
+    """Start and end of every compute action on this rank, in seconds since the step began.
+    Every schedule runs its actions through three PipelineStage methods, so wrapping them on
+    the stage instances times the compute alone: the waits for send/recv fall outside."""
+
+    def __init__(self, device, amp_dtype):
+        self.device, self.amp_dtype = device, amp_dtype
+        self.steps, self.events, self.t0 = [], [], 0.0
+        self.memory = SavedActivations()
+
+    def start_step(self):
+        dist.barrier()  # one tiny all-reduce: every rank's clock origin is the same moment
+        self.events, self.t0 = [], time.perf_counter()
+        self.steps.append(self.events)
+
+    def _timed(self, kind_of, stage_id, fn, forward=False):
+        def timed(*args, **kwargs):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # time the kernels, not their launch
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            # autocast wraps the forward only; backward reuses the dtypes forward chose.
+            amp = torch.autocast(self.device.type, dtype=self.amp_dtype,
+                                 enabled=forward and self.amp_dtype is not None)
+            with amp, (self.memory.hooks() if forward else contextlib.nullcontext()):
+                out = fn(*args, **kwargs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            kind = kind_of(args, kwargs)
+            self.events.append([kind, stage_id, args[0], start - self.t0,
+                                time.perf_counter() - self.t0, time.thread_time() - cpu_start])
+            return out
+        return timed
+
+    def instrument(self, stage):
+        def backward_kind(args, kwargs):  # backward_one_chunk(mb, loss, full_backward, ...)
+            full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+            return "B" if full else "I"
+        sid = stage.stage_index
+        stage.forward_one_chunk = self._timed(lambda a, k: "F", sid, stage.forward_one_chunk,
+                                              forward=True)
+        stage.backward_one_chunk = self._timed(backward_kind, sid, stage.backward_one_chunk)
+        stage.backward_weight_one_chunk = self._timed(lambda a, k: "W", sid,
+                                                      stage.backward_weight_one_chunk)
+
+    def counted(self, loss_fn):
+        def counted_loss(logits, targets):  # the loss's saved tensors count too
+            with self.memory.hooks():
+                return loss_fn(logits, targets)
+        return counted_loss
+
+
+def build_pipeline(cfg, device, timeline):
+    """Mesh, stages, schedule and one optimizer per stage module for this rank."""
+    world_size = dist.get_world_size()
+    pp_size = world_size // cfg.dp
+    # Rank = dp_rank * pp + pp_rank: a pipeline's stages sit on neighbouring ranks, which
+    # puts the frequent point-to-point traffic inside a node on a multi-node job.
+    mesh = init_device_mesh(device.type, (cfg.dp, pp_size), mesh_dim_names=("dp", "pp"))
+    pp_rank = mesh.get_local_rank("pp")
+    num_stages = pp_size * cfg.stages_per_rank
+    stage_ids = stage_ids_for_rank(pp_rank, pp_size, cfg)
+    modules = [build_stage_module(cfg, s, num_stages, device) for s in stage_ids]
+    if cfg.dp > 1:
+        modules = [apply_fsdp(m, mesh["dp"]) for m in modules]
+    num_params = inspect_pipeline(modules, stage_ids, num_stages, cfg, device)
+    # Sends and receives go over the pp sub-group only: the neighbours in this pipeline.
+    stages = [PipelineStage(m, s, num_stages, device, group=mesh["pp"].get_group())
+              for m, s in zip(modules, stage_ids)]
+    for stage in stages:
+        timeline.instrument(stage)
+    loss = timeline.counted(loss_fn)
+    schedule_cls = schedule_class(cfg.schedule)
+    # loss_fn is the mean over one microbatch; scale_grads (default) divides the summed
+    # gradients by the number of microbatches, so they are the gradient of the batch mean.
+    if SCHEDULES[cfg.schedule]["stages_per_rank"] == 1:
+        schedule = schedule_cls(stages[0], n_microbatches=cfg.microbatches, loss_fn=loss)
+    else:
+        schedule = schedule_cls(stages, n_microbatches=cfg.microbatches, loss_fn=loss)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=cfg.lr) for m in modules]
+    return mesh, stages, schedule, optimizers, num_params
+
+
+def clip_grad_norm(modules, max_norm, device):
+    """clip_grad_norm_ over the whole model: each rank holds a disjoint piece of the gradients
+    (its stages, and with FSDP its shard), so the squared norms add up with one all-reduce."""
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    norms = [torch.linalg.vector_norm(g) for g in local] or [torch.zeros((), device=device)]
+    total_sq = torch.linalg.vector_norm(torch.stack(norms)).pow(2).reshape(1)
+    dist.all_reduce(total_sq)
+    total_norm = total_sq.sqrt()
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as clip_grad_norm_ does
+    for g in local:
+        g.mul_(coef)
+    return total_norm
+
+
+def train_step(cfg, schedule, stages, optimizers, batch, device, grads_out=None):
+    """One optimizer step: the schedule runs forward and backward of every microbatch."""
+    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+    holds_first = any(s.is_first for s in stages)
+    holds_last = any(s.is_last for s in stages)
+    losses = []  # filled with one loss per microbatch on the rank holding the last stage
+    args = (inputs,) if holds_first else ()
+    kwargs = {"target": targets, "losses": losses} if holds_last else {}
+    schedule.step(*args, **kwargs)
+    modules = [s.submod for s in stages]
+    if grads_out is not None:  # --check-parity: the first step's gradients, before clipping
+        grads_out.update(named_full_tensors(modules, grads=True))
+    if cfg.clip:
+        clip_grad_norm(modules, cfg.clip, device)
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    loss = torch.stack(losses).mean() if holds_last else torch.zeros((), device=device)
+    # Only last-stage ranks know the loss; the sum over all ranks / dp is the batch mean.
+    loss = loss.detach().reshape(1)
+    dist.all_reduce(loss)
+    return loss / cfg.dp
+
+
+def named_full_tensors(modules, grads=False):
+    """{name: full tensor} of this rank's parameters (or their gradients). With FSDP,
+    full_tensor() all-gathers the shards over dp: every dp rank calls it in the same order."""
+    out = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            value = param.grad if grads else param
+            if value is not None:
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                out[name] = value.detach().float().cpu().clone()  # clipping is in place
+    return out
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def train_reference(cfg, num_steps, order):
+    """The single-process run the pipeline must match: the whole model, same init, and each
+    step accumulates the gradient of every microbatch of every dp replica in one process, then
+    divides by their number (what scale_grads and FSDP's reduce-scatter average compute).
+    `order` is the microbatch order the stage accumulated in (LoopedBFS runs backward last
+    microbatch first): fp32 sums depend on order, and Adam turns a last-bit difference in a
+    gradient entry near zero into a visible parameter difference."""
+    model = build_model(cfg)
+    model.init_weights(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    streams = [micro_batches(cfg, r, cfg.dp, 0) for r in range(cfg.dp)]
+    num_chunks = cfg.dp * cfg.microbatches
+    losses, first_grads = [], None
+    for step in range(1, num_steps + 1):
+        total = 0.0
+        for stream in streams:
+            inputs, targets = next(stream)
+            chunks = list(zip(inputs.chunk(cfg.microbatches), targets.chunk(cfg.microbatches)))
+            for x, y in (chunks[k] for k in order):
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                total += loss.item() / num_chunks
+        for p in model.parameters():
+            p.grad.div_(num_chunks)
+        if step == 1:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if cfg.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return dict(model.named_parameters()), first_grads, losses
+
+
+def check_parity(cfg, stages, first_grads, losses, timeline):
+    """Every rank retrains the (small) reference itself and compares the parameters it holds;
+    one all-reduce MAX gives the worst difference anywhere. Returns (param, grad, loss) diffs."""
+    modules = [s.submod for s in stages]
+    # The order this rank's first stage accumulated microbatch gradients in (in B, or in W
+    # when the schedule splits backward), read off the timeline.
+    order = [e[2] for e in timeline.steps[-1] if e[0] in ("B", "W")
+             and e[1] == stages[0].stage_index]
+    ref_params, ref_grads, ref_losses = train_reference(
+        cfg, losses[-1][0], order or range(cfg.microbatches))
+    params = named_full_tensors(modules)
+    param_diff = max((params[n] - ref_params[n].detach()).abs().max().item() for n in params)
+    grad_diff = max(((first_grads[n] - ref_grads[n]).abs().max().item() for n in first_grads),
+                    default=-1.0)  # -1: no step 1 in this run (resumed)
+    loss_diff = max(abs(loss - ref_losses[step - 1]) for step, loss in losses)
+    worst = torch.tensor([param_diff, grad_diff, loss_diff], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.tolist(), ref_losses
+
+
+# Checkpoints: one DCP checkpoint for the whole pipeline. Every rank writes its own stages'
+# tensors (and with FSDP its shards) under the whole model's names, so the files do not
+# depend on pp, dp or the schedule.
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys per parameter
+
+
+def checkpoint_path(directory, step):
+    return Path(directory) / f"step_{step:08d}"
+
+
+def complete_checkpoints(directory):
+    """Complete checkpoints, oldest first: step_* directories holding DCP's .metadata (written
+    last, by the coordinator), renamed from *.tmp only after every rank finished writing."""
+    return sorted(p for p in Path(directory).glob("step_*")
+                  if p.suffix != ".tmp" and (p / ".metadata").exists())
+
+
+def latest_checkpoint(directory):
+    found = complete_checkpoints(directory) if directory else []
+    return found[-1] if found else None
+
+
+def pipeline_state(modules, optimizers):
+    """Per stage module: its model and optimizer state dicts, plus all of them merged."""
+    parts = [(get_model_state_dict(m), get_optimizer_state_dict(m, o, options=OPTIM_OPTIONS))
+             for m, o in zip(modules, optimizers)]
+    merged = {"model": {k: v for part, _ in parts for k, v in part.items()},
+              "optim": {k: v for _, part in parts for k, v in part.items()}}
+    return parts, merged
+
+
+def save_checkpoint(cfg, modules, optimizers, step, rank):
+    final = checkpoint_path(cfg.checkpoint_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
+        final.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()  # nobody writes into tmp while rank 0 may still be clearing it
+    # dcp.save is collective: it returns after the coordinator wrote .metadata, which it
+    # does only once every rank has reported its files written.
+    dcp.save(pipeline_state(modules, optimizers)[1], checkpoint_id=tmp)
+    if rank == 0:
+        maybe_crash_mid_checkpoint(cfg, step)  # fault drill: dies with only step.tmp on disk
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # atomic: readers see no checkpoint or a complete one
+        for old in complete_checkpoints(cfg.checkpoint_dir)[:-2]:
+            shutil.rmtree(old)
+    dist.barrier()  # nobody races ahead (or reads) while rank 0 is renaming
+
+
+def load_checkpoint(cfg, modules, optimizers, rank):
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    if path is None:
+        return 0
+    parts, merged = pipeline_state(modules, optimizers)
+    dcp.load(merged, checkpoint_id=path)  # each rank reads only the keys its stages own
+    for (module, optimizer), (model_sd, optim_sd) in zip(zip(modules, optimizers), parts):
+        set_model_state_dict(module, {k: merged["model"][k] for k in model_sd})
+        set_optimizer_state_dict(module, optimizer, {k: merged["optim"][k] for k in optim_sd},
+                                 options=OPTIM_OPTIONS)
+    step = int(path.name.split("_")[1])
+    if rank == 0:
+        print(f"resumed from {path} at step {step}", flush=True)
+    return step
+
+
+def bubble_formula(cfg, pp_size):
+    """Idle share of a step for a perfectly balanced pipeline with free communication."""
+    m, v = cfg.microbatches, cfg.stages_per_rank
+    if cfg.schedule in ("GPipe", "1F1B"):
+        return (pp_size - 1) / (m + pp_size - 1)  # GPipe paper; 1F1B only saves memory
+    if cfg.schedule in ("Interleaved1F1B", "LoopedBFS"):
+        return (pp_size - 1) / (v * m + pp_size - 1)  # each of the pp-1 fill slots is 1/v long
+    return None  # zero-bubble family: no closed form; the papers claim ~0 when F = I = W
+
+
+def replay_span(rank_events, duration):
+    """Replay each rank's actions in the order they ran, each lasting duration(event) and
+    starting once its rank is free and its input exists (F after the previous stage's F; B or
+    I after the next stage's B or I; W after its own I), with free, instant communication.
+    Returns {action: (start, end)}."""
+    last_stage = max(e[1] for events in rank_events for e in events)
+    placed, free, pos = {}, [0.0] * len(rank_events), [0] * len(rank_events)
+
+    def needs(kind, stage, mb):
+        if kind == "F":
+            return [("F", stage - 1, mb)] if stage > 0 else []
+        if kind in ("B", "I"):
+            if stage == last_stage:
+                return [("F", stage, mb)]
+            return [(k, stage + 1, mb) for k in ("B", "I") if (k, stage + 1, mb) in placed]
+        return [("I", stage, mb)]  # W
+
+    while any(p < len(events) for p, events in zip(pos, rank_events)):
+        progressed = False
+        for r, events in enumerate(rank_events):
+            while pos[r] < len(events):
+                kind, stage, mb = events[pos[r]][:3]
+                deps = needs(kind, stage, mb)
+                waiting = kind in ("B", "I") and stage < last_stage and not deps
+                if waiting or any(d not in placed for d in deps):
+                    break
+                start = max([free[r]] + [placed[d][1] for d in deps])
+                free[r] = start + duration(events[pos[r]])
+                placed[(kind, stage, mb)] = (start, free[r])
+                pos[r], progressed = pos[r] + 1, True
+        assert progressed, "timeline replay deadlocked: an action's input never ran"
+    return placed
+
+
+def bubble_of(rank_events, duration=None):
+    """1 - busy / span per rank, span from the first action on any rank to the last; the
+    pipeline's bubble is the mean over ranks. Measured (wall clock) when duration is None,
+    else replayed with those durations."""
+    if duration is None:
+        spans = [[(e[3], e[4]) for e in events] for events in rank_events]
+    else:
+        placed = replay_span(rank_events, duration)
+        spans = [[placed[tuple(e[:3])] for e in events] for events in rank_events]
+    start = min(s for rank in spans for s, _ in rank)
+    span = max(e for rank in spans for _, e in rank) - start
+    per_rank = [1 - sum(e - s for s, e in rank) / span for rank in spans]
+    return sum(per_rank) / len(per_rank), per_rank
+
+
+def analyse_timeline(steps_per_rank, use_cpu_time):
+    """The measured bubble of every step, the median step's timeline (the first step also
+    infers shapes and warms up, so it is left out), and the replayed bubble: the median
+    step's action order, each action costing the median over all steps of its (kind, stage)
+    (CPU time on CPU, which other processes sharing the cores do not stretch; wall time on
+    GPUs, one device per rank)."""
+    steps = []
+    for k in range(len(steps_per_rank[0])):
+        measured, per_rank = bubble_of([rank_steps[k] for rank_steps in steps_per_rank])
+        steps.append((measured, k, per_rank))
+    steady = sorted(steps[1:] or steps)
+    measured, k, per_rank = steady[len(steady) // 2]
+    costs = {}
+    for _, j, _ in steady:
+        for rank_steps in steps_per_rank:
+            for e in rank_steps[j]:
+                costs.setdefault((e[0], e[1]), []).append(e[5] if use_cpu_time else e[4] - e[3])
+    median = {key: sorted(v)[len(v) // 2] for key, v in costs.items()}
+    events = [rank_steps[k] for rank_steps in steps_per_rank]
+    replayed, _ = bubble_of(events, lambda e: median[(e[0], e[1])])
+    return {"measured": measured, "measured_per_rank": per_rank, "replayed": replayed,
+            "measured_all_steps": [s[0] for s in steps],
+            "replay_cost": "median cpu_time" if use_cpu_time else "median wall_time",
+            "timeline_step": k + 1}, events
+
+
+def microbatches_in_flight(events):
+    """Most microbatches whose forward finished and whose backward (B, or W when the schedule
+    splits it) has not: each holds its activations on this rank."""
+    deltas = sorted((e[4], {"F": 1, "B": -1, "W": -1}.get(e[0], 0)) for e in events)
+    held = peak = 0
+    for _, delta in deltas:
+        held += delta
+        peak = max(peak, held)
+    return peak
+
+
+def train(cfg, rank, device):
+    amp_dtype = torch.bfloat16 if resolve_amp(cfg, device.type) == "bf16" else None
+    timeline = Timeline(device, amp_dtype)
+    mesh, stages, schedule, optimizers, num_params = build_pipeline(cfg, device, timeline)
+    modules = [s.submod for s in stages]
+    start_step = load_checkpoint(cfg, modules, optimizers, rank)
+    batches = micro_batches(cfg, mesh.get_local_rank("dp"), cfg.dp, start_step)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    last_step = cfg.stop_at_step or cfg.steps
+    losses, step_times, first_grads = [], [], {}
+    if rank == 0:
+        print(f"{LAB_NAME} | {dist.get_backend()} x{dist.get_world_size()} | {device} | "
+              f"{num_params:,} params | {cfg.schedule} | dp {cfg.dp} x pp "
+              f"{dist.get_world_size() // cfg.dp} x {cfg.stages_per_rank} stage(s) per rank | "
+              f"{cfg.microbatches} microbatches | steps {start_step + 1}..{last_step}", flush=True)
+    preemption = PreemptionWatch()
+    for step in range(start_step + 1, last_step + 1):
+        maybe_inject_failure(cfg, step, rank)
+        timeline.start_step()
+        t0 = time.perf_counter()
+        batch = next(batches)
+        data_s = time.perf_counter() - t0
+        grads_out = first_grads if cfg.check_parity and step == 1 else None
+        loss = train_step(cfg, schedule, stages, optimizers, batch, device, grads_out)
+        step_s = time.perf_counter() - t0
+        losses.append([step, loss.item()])
+        step_times.append(step_s)
+        if rank == 0 and (step % cfg.log_every == 0 or step == last_step):
+            print(log_line(step, loss.item(), step_s, tokens_per_step / step_s,
+                           data_s / step_s, peak_memory_bytes(device)), flush=True)
+        preempted = preemption.agreed(device)
+        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                                   or step == last_step or preempted):
+            save_checkpoint(cfg, modules, optimizers, step, rank)
+        if preempted:
+            if rank == 0:
+                print(f"preempted: checkpoint at step {step} written, exiting "
+                      f"{PREEMPTED_EXIT_CODE}", flush=True)
+            teardown_distributed()
+            sys.exit(PREEMPTED_EXIT_CODE)
+    return modules, timeline, losses, step_times, first_grads, stages
+
+
+def pipeline_metrics(cfg, timeline, stages, world_size):
+    """Gather every rank's timeline and activation peak: the pipeline-specific metrics."""
+    gathered = [None] * world_size
+    mine = {"steps": timeline.steps, "saved_peak": timeline.memory.peak,
+            "stages": [s.stage_index for s in stages]}
+    dist.all_gather_object(gathered, mine)  # one object per rank, once, after training
+    pp_size = world_size // cfg.dp
+    pipeline = gathered[:pp_size]  # dp replica 0's pipeline: ranks 0..pp-1
+    use_cpu_time = stages[0].device.type == "cpu" and torch.get_num_threads() == 1
+    bubble, events = analyse_timeline([g["steps"] for g in pipeline], use_cpu_time)
+    bubble["formula"] = bubble_formula(cfg, pp_size)
+    return {
+        "schedule": cfg.schedule, "pp_size": pp_size, "dp_size": cfg.dp,
+        "stages_per_rank": cfg.stages_per_rank, "num_microbatches": cfg.microbatches,
+        "stages_per_rank_ids": [g["stages"] for g in gathered],
+        "bubble": bubble,
+        "timeline": {"columns": ["kind", "stage", "microbatch", "start_s", "end_s", "cpu_s"],
+                     "ranks": events},
+        "saved_activation_peak_bytes_per_rank": [g["saved_peak"] for g in gathered],
+        "microbatches_in_flight_per_rank": [microbatches_in_flight(e) for e in events],
+    }
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    wall_start = time.perf_counter()
+    rank, world_size, device = init_distributed(cfg)
+    try:
+        modules, timeline, losses, step_times, first_grads, stages = train(cfg, rank, device)
+        peaks = [None] * world_size
+        dist.all_gather_object(peaks, peak_memory_bytes(device))
+        extra = pipeline_metrics(cfg, timeline, stages, world_size)
+        parity = grad_parity = loss_parity = ref_losses = None
+        if cfg.check_parity:
+            (parity, grad_parity, loss_parity), ref_losses = check_parity(
+                cfg, stages, first_grads, losses, timeline)
+            grad_parity = None if grad_parity < 0 else grad_parity  # resumed: no step 1 here
+        if rank == 0:
+            steady = step_times[1:] or step_times
+            metrics = {
+                "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
+                "world_size": world_size, "steps": losses[-1][0] if losses else 0,
+                "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
+                "reference_losses": ref_losses, "parity_max_abs_diff": parity,
+                "parity_tol": cfg.parity_tol,
+                "tokens_per_s": cfg.batch_size * cfg.seq_len * len(steady) / sum(steady),
+                "peak_mem_bytes_per_rank": peaks,
+                "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
+                "wall_time_s": time.perf_counter() - wall_start,
+                "torch_version": torch.__version__, "config": vars(cfg),
+                "grad_parity_max_abs_diff": grad_parity, "loss_parity_max_abs_diff": loss_parity,
+                **extra,
+            }
+            if cfg.metrics_out:
+                write_json_atomic(cfg.metrics_out, metrics)
+            print(summary_line(metrics), flush=True)
+            worst = max(d for d in (parity, grad_parity, loss_parity) if d is not None) \
+                if parity is not None else None
+            if worst is not None and worst > cfg.parity_tol:
+                sys.exit(f"parity check failed: max |diff| {worst:.2e} > {cfg.parity_tol:.0e} "
+                         f"(params {parity:.1e}, step-1 grads {grad_parity}, losses "
+                         f"{loss_parity:.1e})")
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Worker functions for lessons/04_pipeline.py (run with spawn.run_workers).
+
+A two-stage pipeline by hand: rank 0 holds the first half of a small MLP, rank 1 the second
+half and the loss. Activations go forward with dist.send / dist.recv, gradients come back the
+same way. GPipe order: all forwards, then all backwards.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+DIM, HIDDEN, CLASSES = 16, 32, 4
+
+
+def build_halves(seed=0):
+    """The whole model, cut in two. Both ranks build both halves from one seed, so every rank
+    (and the single-process check) starts from the same weights."""
+    torch.manual_seed(seed)
+    first = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU())
+    second = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+    return first, second
+
+
+def make_batch(batch_size, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, DIM, generator=generator)
+    y = torch.randint(0, CLASSES, (batch_size,), generator=generator)
+    return x, y
+
+
+def gpipe_by_hand(rank, world_size, batch_size, num_microbatches):
+    """One training step of a 2-stage GPipe pipeline. Returns this rank's parameter gradients,
+    the loss (rank 1) and when each forward / backward ran."""
+    assert world_size == 2, "this demo has exactly two stages"
+    first, second = build_halves()
+    module = first if rank == 0 else second
+    x, y = make_batch(batch_size)
+    xs, ys = x.chunk(num_microbatches), y.chunk(num_microbatches)
+    saved, events, losses = [], [], []
+    t0 = time.perf_counter()
+    for mb in range(num_microbatches):  # forward of every microbatch
+        start = time.perf_counter() - t0
+        if rank == 0:
+            out = module(xs[mb])
+            dist.send(out.detach(), dst=1)  # the only traffic: one activation tensor
+            saved.append((out, None))
+        else:
+            inp = torch.empty(xs[mb].shape[0], HIDDEN)
+            dist.recv(inp, src=0)
+            inp.requires_grad_(True)  # so backward produces d loss / d input for rank 0
+            loss = F.cross_entropy(module(inp), ys[mb]) / num_microbatches
+            losses.append(loss.item())
+            saved.append((loss, inp))
+        events.append(("F", mb, start, time.perf_counter() - t0))
+    for mb in range(num_microbatches):  # backward of every microbatch
+        start = time.perf_counter() - t0
+        out, inp = saved[mb]
+        if rank == 1:
+            out.backward()  # accumulates into the parameters' .grad, fills inp.grad
+            dist.send(inp.grad, dst=0)  # the gradient goes back the way the activation came
+        else:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=1)
+            out.backward(grad)  # continue the chain rule from the received gradient
+        events.append(("B", mb, start, time.perf_counter() - t0))
+    grads = {name: p.grad.clone() for name, p in module.named_parameters()}
+    return {"grads": grads, "loss": sum(losses), "events": events}
+
+
+def single_process_grads(batch_size):
+    """The same step without a pipeline: whole batch, whole model, one process."""
+    first, second = build_halves()
+    x, y = make_batch(batch_size)
+    loss = F.cross_entropy(second(first(x)), y)
+    loss.backward()
+    return ({name: p.grad for name, p in first.named_parameters()},
+            {name: p.grad for name, p in second.named_parameters()}, loss.item())
