@@ -123,7 +123,7 @@ print(inspect.getsource(lab.micro_batches))
 print(inspect.getsource(lab.train_step))
 
 # %% [markdown]
-# ## Buckets and `no_sync()`: counting the all-reduces
+# ## Buckets and no_sync: counting the all-reduces
 #
 # DDP does not wait for the whole backward pass. It groups gradients into **buckets** of about
 # `bucket_cap_mb`, in the order backward produces them, and launches one all-reduce per bucket as

@@ -124,7 +124,7 @@ assert all(r["by_hand_vs_fsdp"] <= 1e-6 and r["by_hand_vs_single"] <= 1e-6 for r
 # is one all-gather in forward, one all-gather and one reduce-scatter in backward: about 1.5x
 # the bytes of DDP's all-reduce, traded for 1/N of the memory.
 #
-# ## With PyTorch: `fully_shard`
+# ## With PyTorch: fully_shard
 #
 # The lab builds the model on the **meta device** (shapes, no memory), shards it, and only
 # then allocates: each rank allocates its shards and nothing else. Each transformer block is
