@@ -39,8 +39,9 @@ class LessonNotebook(IPyNbFile):
         super().teardown()
         cells = [item for item in self.session.items if item.parent is self]
         if cells and not any(c.nodeid in _failed_nodeids for c in cells):
-            for item in cells:
+            for count, item in enumerate(cells, 1):
                 item.cell.outputs = item.test_outputs or []
+                item.cell.execution_count = count  # "In [3]:" on the site, as in JupyterLab
             lesson_tools.save_executed(self.path, self.nb)
 
 

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 00: processes, ranks and collectives
+# # 00 · Processes, ranks and collectives
 #
 # Every later lesson (DDP, FSDP, tensor and pipeline parallel) is a way of arranging a few
 # communication calls. This lesson makes them, by hand, before any wrapper hides them.

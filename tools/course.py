@@ -65,7 +65,8 @@ def execute_lessons():
 def build_site():
     print("[site] mkdocs build --strict", flush=True)
     subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet"],
-                   cwd=ROOT, check=True, timeout=1800)
+                   cwd=ROOT, check=True, timeout=1800,
+                   env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # no upgrade banner
     return ROOT / "site" / "index.html"
 
 
