@@ -57,5 +57,7 @@ def run_workers(fn, world_size, *args, timeout_s=60, startup_s=120):
                     process.kill()
                 raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish "
                                    f"within {limit_s:.0f}s")
+        # weights_only=False is safe only because these files were just written by our own
+        # children in a private temp dir; never load untrusted files this way.
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]

@@ -17,11 +17,7 @@ import lessons as lesson_tools  # tools/lessons.py (this directory is on sys.pat
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "course"
-LAB_GLOB = "lab[0-9][0-9]_*.py"
 
-
-def lab_paths():
-    return sorted((ROOT / "labs").glob(LAB_GLOB))
 
 
 def default_world_size():
@@ -101,7 +97,7 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     nproc = args.nproc or default_world_size()
     t_start = time.perf_counter()
-    labs = lab_paths()
+    labs = lesson_tools.lab_paths()
     results = []
     for i, lab in enumerate(labs, 1):
         print(f"[lab {i}/{len(labs)}] {lab.name}: torchrun x{nproc} --check-parity ...",

@@ -18,6 +18,12 @@ EXECUTED_ROOT = ROOT / "build" / "executed"  # the site reads lessons/NN_x.ipynb
 EXECUTED = EXECUTED_ROOT / "lessons"
 NOTEBOOKS = ROOT / "build" / "notebooks"
 LESSON_GLOB = "[0-9][0-9]_*.py"
+LAB_GLOB = "lab[0-9][0-9]_*.py"
+
+
+def lab_paths():
+    """labs/labNN_*.py in course order (the tools next to them are not labs)."""
+    return sorted((ROOT / "labs").glob(LAB_GLOB))
 
 
 def lesson_paths():

@@ -20,11 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
 
 ROOT = Path(__file__).resolve().parents[1]
-LAB_GLOB = "lab[0-9][0-9]_*.py"
 
-
-def lab_paths():
-    return sorted((ROOT / "labs").glob(LAB_GLOB))
 
 
 def runbook_paths():
@@ -62,7 +58,7 @@ def lab_page(lab, previous):
 
 def labs_index():
     rows = ["| lab | what it teaches | command |", "|---|---|---|"]
-    for lab in lab_paths():
+    for lab in lesson_tools.lab_paths():
         title = docstring(lab).splitlines()[0]
         rows.append(f"| [{lab.stem}]({lab.stem}.md) | {title} | "
                     f"`torchrun --standalone --nproc-per-node 2 labs/{lab.name}` |")
@@ -101,7 +97,7 @@ def on_files(files, config):
         files.append(File(f"lessons/{lesson.stem}.ipynb", str(lesson_tools.EXECUTED_ROOT),
                           config.site_dir, config.use_directory_urls))
     previous = None
-    for lab in lab_paths():
+    for lab in lesson_tools.lab_paths():
         add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous))
         previous = lab
     add_generated(files, config, "labs/index.md", labs_index())
@@ -115,7 +111,7 @@ def on_files(files, config):
 
 def on_config(config):
     lessons = [f"lessons/{p.stem}.ipynb" for p in lesson_tools.lesson_paths()]
-    labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lab_paths()]]
+    labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lesson_tools.lab_paths()]]
     runbooks = ["runbooks/index.md", *[f"runbooks/{p.name}" for p in runbook_paths()]]
     reference = sorted([*(f"reference/{p.name}" for p in (ROOT / "docs" / "reference").glob("*.md")),
                         "reference/torchrun-flags.md"])
