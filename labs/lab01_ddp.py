@@ -21,6 +21,7 @@ Lesson: lessons/01_ddp.py. Runbooks: runbooks/ (OOM, NCCL hangs, DataLoader stal
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 import zlib
 from pathlib import Path
 
@@ -208,6 +210,15 @@ def attempt_store(rank, world_size, timeout):
 
 
 def teardown_distributed():
+    """Destroy the process group after everything that holds it is gone.
+
+    A DDP model's C++ Reducer owns a reference to the group. Freed after
+    destroy_process_group(), it destroys the gloo group while holding the GIL, and the gloo
+    destructor joins a worker thread that needs the GIL: the rank hangs after its last line,
+    or aborts at exit ("terminate called without an active exception"). Models die with
+    run(); gc.collect() frees the ones kept alive by reference cycles. runbooks/exit-hang.md
+    """
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 # --8<-- [end:setup]
@@ -612,48 +623,51 @@ def train(cfg, rank, world_size, device):
     return ddp_model, losses, step_times, data_times
 
 
+def run(cfg, rank, world_size, device, wall_start):
+    """Train, check parity, report. Every model (and DDP reducer) lives and dies in here."""
+    ddp_model, losses, step_times, data_times = train(cfg, rank, world_size, device)
+    peaks, data_shares = [None] * world_size, [None] * world_size
+    dist.all_gather_object(peaks, peak_memory_bytes(device))
+    # Per rank: a straggler shows up as one rank with a much higher data-wait share.
+    dist.all_gather_object(data_shares, sum(data_times) / max(sum(step_times), 1e-9))
+    parity, ref_losses = None, None
+    if cfg.check_parity and rank == 0:
+        parity, ref_losses = check_parity(cfg, ddp_model, world_size, device)
+    dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
+    if rank == 0:
+        steady = step_times[1:] or step_times
+        metrics = {
+            "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
+            "world_size": world_size, "steps": losses[-1][0] if losses else 0,
+            "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
+            "reference_losses": ref_losses, "parity_max_abs_diff": parity,
+            "parity_tol": cfg.parity_tol,
+            "tokens_per_s": cfg.batch_size * cfg.seq_len * len(steady) / sum(steady),
+            "peak_mem_bytes_per_rank": peaks, "data_share_per_rank": data_shares,
+            "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
+            "wall_time_s": time.perf_counter() - wall_start,
+            "torch_version": torch.__version__, "config": vars(cfg),
+        }
+        if cfg.metrics_out:
+            write_json_atomic(cfg.metrics_out, metrics)
+        print(summary_line(metrics), flush=True)
+        if parity is not None and parity > cfg.parity_tol:
+            sys.exit(f"parity check failed: max |param diff| {parity:.2e} > {cfg.parity_tol:.0e}")
+
+
 def main(argv=None):
     cfg = parse_config(argv)
     wall_start = time.perf_counter()
     rank, world_size, device = init_distributed(cfg)
     try:
-        ddp_model, losses, step_times, data_times = train(cfg, rank, world_size, device)
-        peaks, data_shares = [None] * world_size, [None] * world_size
-        dist.all_gather_object(peaks, peak_memory_bytes(device))
-        # Per rank: a straggler shows up as one rank with a much higher data-wait share.
-        dist.all_gather_object(data_shares, sum(data_times) / max(sum(step_times), 1e-9))
-        parity, ref_losses = None, None
-        if cfg.check_parity and rank == 0:
-            parity, ref_losses = check_parity(cfg, ddp_model, world_size, device)
-        dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
-        if rank == 0:
-            steady = step_times[1:] or step_times
-            metrics = {
-                "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
-                "world_size": world_size, "steps": losses[-1][0] if losses else 0,
-                "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
-                "reference_losses": ref_losses, "parity_max_abs_diff": parity,
-                "parity_tol": cfg.parity_tol,
-                "tokens_per_s": cfg.batch_size * cfg.seq_len * len(steady) / sum(steady),
-                "peak_mem_bytes_per_rank": peaks, "data_share_per_rank": data_shares,
-                "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
-                "wall_time_s": time.perf_counter() - wall_start,
-                "torch_version": torch.__version__, "config": vars(cfg),
-            }
-            if cfg.metrics_out:
-                write_json_atomic(cfg.metrics_out, metrics)
-            print(summary_line(metrics), flush=True)
-            if parity is not None and parity > cfg.parity_tol:
-                sys.exit(f"parity check failed: max |param diff| {parity:.2e} > {cfg.parity_tol:.0e}")
+        run(cfg, rank, world_size, device, wall_start)
+    except BaseException as exc:
+        # A traceback keeps run()'s models alive; free them before the group goes.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         teardown_distributed()
 
 
 if __name__ == "__main__":
     main()
-    # Work done, metrics and checkpoints closed, process group destroyed. On torch 2.13 + gloo
-    # a backend thread occasionally aborts the interpreter's final teardown ("terminate called
-    # without an active exception", exit -6) after everything succeeded; skip that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

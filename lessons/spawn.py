@@ -7,10 +7,12 @@ returns the per-rank results, or raises (never hangs) after `timeout_s`.
 """
 
 import datetime
+import gc
 import os
 import socket
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -31,9 +33,15 @@ def _child(rank, fn, world_size, port, out_dir, timeout_s, args):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(fn(rank, world_size, *args), Path(out_dir) / f"rank{rank}.pt")
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # free fn's models before the group goes
+        raise
     finally:
+        # A DDP model freed after destroy_process_group() takes the gloo group down while
+        # holding the GIL and can hang or abort the process (runbooks/exit-hang.md): collect
+        # any model kept alive by a reference cycle while the group is still registered.
+        gc.collect()
         dist.destroy_process_group()
 
 

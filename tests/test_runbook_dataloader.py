@@ -121,8 +121,11 @@ def test_straggler_is_the_rank_waiting_on_data(straggler):
 
 def test_workers_on_the_straggler_release_every_rank(straggler):
     _, (slow, fixed) = straggler
-    assert fixed[1]["data_share"] <= min(0.35, 0.5 * slow[1]["data_share"]), (slow, fixed)
-    assert max(m["step_ms"] for m in fixed) <= 0.75 * max(m["step_ms"] for m in slow), (slow, fixed)
+    # 4 workers feed a batch every 16 samples x 4 ms / 4 = 16 ms, about one step of compute, so
+    # some waiting remains (18-46% measured, load-dependent); what must go is most of it...
+    assert fixed[1]["data_share"] <= slow[1]["data_share"] - 0.25, (slow, fixed)
+    # ...and the step time of every rank, since the other rank was waiting for the straggler.
+    assert max(m["step_ms"] for m in fixed) <= 0.5 * max(m["step_ms"] for m in slow), (slow, fixed)
 
 
 def test_straggler_stall_becomes_a_collective_timeout_on_the_other_rank():

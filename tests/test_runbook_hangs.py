@@ -135,6 +135,11 @@ def runs(tmp_path_factory):
         "uneven": lambda: run_cmd(drill("hang_exit", "--case", "uneven")),
         "uneven_fixed": lambda: run_cmd(drill("hang_exit", "--case", "uneven", "--fixed")),
         "thread_fixed": lambda: run_cmd(drill("hang_exit", "--case", "thread", "--fixed")),
+        # The abort is a race (10 of 10 runs here, under load fewer): up to 3 tries to see it.
+        "ddp_outlives": lambda: repeat(drill("hang_exit", "--case", "ddp-outlives-group"),
+                                       tries=3, until_failure=True),
+        "ddp_outlives_fixed": lambda: repeat(
+            drill("hang_exit", "--case", "ddp-outlives-group", "--fixed"), tries=3),
         "straggler_data": lambda: py_spy_while_stuck(
             drill("hang_straggler", "--where", "data"), tmp / "data.log", r"step 1: ok", 3),
         "straggler_compute": lambda: py_spy_while_stuck(
@@ -150,6 +155,16 @@ def runs(tmp_path_factory):
     for sub in ("fixed", "raw"):  # the analyzer on the patched and on the raw gloo dumps
         results[f"fr_{sub}"] = run_cmd([*analyse, str(fr_dir / sub), "-p", "rank_"])
     results["fr_dir"] = fr_dir
+    return results
+
+
+def repeat(cmd, tries, until_failure=False):
+    """Run cmd up to `tries` times; stop at the first failure if until_failure. All results."""
+    results = []
+    for _ in range(tries):
+        results.append(run_cmd(cmd))
+        if until_failure and results[-1]["rc"] != 0:
+            break
     return results
 
 
@@ -313,3 +328,21 @@ def test_reference_page_states_the_installed_default_timeout():
     assert str(constants.default_pg_timeout) == "0:30:00"
     for myth in ("NCCL_TIMEOUT", "NCCL_SOCKET_TIMEOUT"):
         assert f"`export {myth}=1800`" in text  # listed as wrong advice, with the fix next to it
+
+
+def test_ddp_model_outliving_the_group_aborts_at_exit(runs):
+    """runbooks/exit-hang.md cause D: the documented symptom appears..."""
+    failure = runs["ddp_outlives"][-1]
+    failed_with(failure, "training done, process group destroyed, exiting")
+    aborted = "terminate called without an active exception" in failure["out"] \
+        and "exitcode: -6" in failure["out"]
+    hung = "Timeout (0:00:10)!" in failure["out"]  # the drill's faulthandler deadline
+    assert aborted or hung, failure["out"]
+
+
+def test_freeing_ddp_before_destroy_exits_cleanly(runs):
+    """...and the documented fix (del model, gc.collect(), then destroy) removes it."""
+    for result in runs["ddp_outlives_fixed"]:
+        assert result["rc"] == 0, result["out"]
+        assert "terminate called" not in result["out"], result["out"]
+        assert result["out"].count("training done, process group destroyed, exiting") == 2

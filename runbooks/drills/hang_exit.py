@@ -1,6 +1,6 @@
 """Drill: training is finished, but the job does not end (or ends with an error).
 
-Two cases:
+Three cases:
   * --case thread: a non-daemon helper thread (a metrics uploader, an async checkpoint writer)
     is still running when main() returns. Python waits for it before exiting, so the rank never
     exits and torchrun waits for it forever. `py-spy dump` shows the thread ("upload_metrics").
@@ -11,25 +11,39 @@ Two cases:
     same bug is a hang until the watchdog timeout. --fixed gives every rank the same number of
     steps (what DistributedSampler(drop_last=True) or torch.distributed.algorithms.Join do).
 
+  * --case ddp-outlives-group: destroy_process_group() runs while a DDP model is still alive
+    (a global, or kept by a reference cycle) and a collective's tensor is still held by gloo.
+    The model's C++ Reducer owns the last reference to the gloo group, so the group is torn
+    down later, while the GIL is held or the interpreter is shutting down: the rank aborts with
+    "terminate called without an active exception" (exit -6), or hangs in
+    ~ProcessGroupGloo -> std::thread::join. --fixed frees the model (del + gc.collect()) before
+    destroy_process_group().
+
     torchrun --standalone --nproc-per-node 2 runbooks/drills/hang_exit.py --case thread
     torchrun --standalone --nproc-per-node 2 runbooks/drills/hang_exit.py --case uneven
+    torchrun --standalone --nproc-per-node 2 runbooks/drills/hang_exit.py --case ddp-outlives-group
 Runbook: runbooks/exit-hang.md.
 """
 
 import argparse
 import datetime
+import faulthandler
+import gc
 import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=["thread", "uneven"], default="thread",
-                        help="thread: a non-daemon thread outlives main; uneven: unequal steps")
+    parser.add_argument("--case", choices=["thread", "uneven", "ddp-outlives-group"],
+                        default="thread",
+                        help="thread: a non-daemon thread outlives main; uneven: unequal steps; "
+                             "ddp-outlives-group: a DDP model outlives destroy_process_group()")
     parser.add_argument("--steps", type=int, default=3, help="steps on rank 0")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="init_process_group timeout")
     parser.add_argument("--thread-s", type=float, default=60.0,
@@ -49,10 +63,35 @@ def upload_metrics(stop, seconds):
         time.sleep(0.05)
 
 
+leftover_model = None  # the broken ddp-outlives-group case parks its model here, like a global
+
+
+def ddp_outlives_group(rank, fixed, exit_deadline_s):
+    """Tear down the way most scripts do: destroy the group, let the model die at exit."""
+    model = DDP(torch.nn.Linear(64, 64))
+    model(torch.randn(8, 64)).sum().backward()
+    if rank == 1:
+        time.sleep(1.0)  # a slower rank: rank 0's last collective is still in flight below
+    # A last async collective whose tensor only gloo's worker thread still references.
+    dist.all_reduce(torch.ones(1 << 20), async_op=True)
+    if fixed:
+        del model
+        gc.collect()  # DDP sits in reference cycles: del alone does not free its Reducer
+    dist.destroy_process_group()
+    print(f"rank {rank}: training done, process group destroyed, exiting", flush=True)
+    # Turn a hang at exit into an error naming it (prints every thread's stack, exit 1).
+    faulthandler.dump_traceback_later(exit_deadline_s, exit=True)
+    return model if not fixed else None  # broken: the model lives on, as a global would
+
+
 def main(argv=None):
     args = parse_args(argv)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank = dist.get_rank()
+    if args.case == "ddp-outlives-group":
+        global leftover_model
+        leftover_model = ddp_outlives_group(rank, args.fixed, args.timeout_s)
+        return
     stop = threading.Event()
     helper = None
     if args.case == "thread":
