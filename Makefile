@@ -20,12 +20,12 @@ endif
 
 PIP_CONSTRAINTS := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: course test deps browser site clean
+.PHONY: course test deps test-tools site clean
 
 course: deps
 	$(PY) tools/course.py
 
-test: deps browser
+test: deps test-tools
 	$(PY) -m pytest
 
 deps:
@@ -36,16 +36,20 @@ deps:
 	@echo ">> installing requirements into $$($(PY) -c 'import sys; print(sys.prefix)')"
 	@$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt $(PIP_CONSTRAINTS)
 
-# The site tests drive a real headless Chromium. Debian/Ubuntu: installed here if missing
-# (needs root or sudo). Elsewhere: install Chromium and set COURSE_CHROMIUM=/path/to/chromium.
-browser:
-	@if [ -n "$$COURSE_CHROMIUM" ] || command -v chromium >/dev/null; then exit 0; fi; \
+# Two system tools the tests use: a real headless Chromium (site tests) and shellcheck (the
+# SLURM recipe). Debian/Ubuntu: installed here if missing (needs root or sudo). Elsewhere:
+# install them yourself (set COURSE_CHROMIUM=/path/to/chromium if it is not on PATH).
+test-tools:
+	@missing=""; \
+	[ -n "$$COURSE_CHROMIUM" ] || command -v chromium >/dev/null || missing="chromium"; \
+	command -v shellcheck >/dev/null || missing="$$missing shellcheck"; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
 	if command -v apt-get >/dev/null; then \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		echo ">> installing chromium (apt-get)"; \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; \
+		echo ">> installing$$missing (apt-get)"; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	else \
-		echo ">> chromium not found: the browser tests will say so (set COURSE_CHROMIUM)"; \
+		echo ">> missing:$$missing; the tests that need them will fail and say so"; \
 	fi
 
 site: deps

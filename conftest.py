@@ -42,7 +42,7 @@ class LessonNotebook(IPyNbFile):
             for count, item in enumerate(cells, 1):
                 item.cell.outputs = item.test_outputs or []
                 item.cell.execution_count = count  # "In [3]:" on the site, as in JupyterLab
-            lesson_tools.save_executed(self.path, self.nb)
+            lesson_tools.save_executed(self.path, self.nb, "the test suite (nbval)")
 
 
 def pytest_collect_file(file_path, parent):

@@ -495,14 +495,19 @@ def micro_batches(cfg, rank, world_size, start_step):
     sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank,
                                           shuffle=True, seed=cfg.seed, drop_last=True)
     micro_batch = cfg.batch_size // (world_size * cfg.grad_accum)
+    # Every iter(loader) draws a seed for its workers from `generator`; left out, it draws
+    # from the global RNG, and a resumed run (fewer iter() calls) would continue on another
+    # RNG stream than an uninterrupted one. Seeded per epoch below, so both draw the same.
+    seeds = torch.Generator()
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True,
-                        num_workers=cfg.num_workers,
+                        num_workers=cfg.num_workers, generator=seeds,
                         timeout=cfg.timeout_s if cfg.num_workers else 0)
     per_epoch = sampler.num_samples // micro_batch
     epoch, skip = divmod(start_step * cfg.grad_accum, per_epoch)
     while True:
         sampler.set_epoch(epoch)  # without this every epoch repeats the same order
         sampler.start_index = skip * micro_batch
+        seeds.manual_seed(cfg.seed * 1_000_003 + epoch)
         yield from loader
         epoch, skip = epoch + 1, 0
 # --8<-- [end:data]

@@ -15,6 +15,9 @@ REPO = Path(__file__).resolve().parents[1]
 LABS = REPO / "labs"
 PYTHON = sys.executable
 
+sys.path.insert(0, str(REPO / "tools"))  # the root conftest.py does too; launcher may run alone
+import verified  # noqa: E402  (tools/verified.py)
+
 
 class LaunchError(AssertionError):
     pass
@@ -71,4 +74,6 @@ def run_lab(lab, nproc, args=(), tmp_path=None, timeout=180, env=None, check=Tru
     cmd = [PYTHON, str(script), *map(str, args)] if nproc == 0 else torchrun_cmd(script, nproc, args)
     proc = run(cmd, timeout=timeout, env=env, check=check)
     metrics = json.loads(metrics_path.read_text()) if metrics_path and metrics_path.exists() else None
+    if proc.returncode == 0 and metrics:
+        verified.record_lab_run(metrics, "the test suite")  # the lab pages' "verified on" stamp
     return proc, metrics

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import lessons as lesson_tools  # tools/lessons.py (this directory is on sys.path)
+import verified  # tools/verified.py
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "course"
@@ -41,6 +42,7 @@ def run_lab(lab, nproc, timeout_s):
         raise SystemExit(f"{lab.name} failed (exit {proc.returncode}); log: "
                          f"{OUT / (lab.stem + '.log')}")
     metrics = json.loads(metrics_path.read_text())
+    verified.record_lab_run(metrics, "make course")
     metrics["launch_wall_s"] = time.perf_counter() - t0
     return metrics
 
@@ -53,7 +55,7 @@ def execute_lessons():
               f"{'up to date' if cached else 'executing...'}", flush=True)
         if not cached:
             t0 = time.perf_counter()
-            lesson_tools.execute(lesson)
+            lesson_tools.execute(lesson, "make course")
             print(f"    executed in {time.perf_counter() - t0:.0f} s", flush=True)
     return lessons
 

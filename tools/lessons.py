@@ -12,6 +12,8 @@ from pathlib import Path
 import jupytext
 import nbformat
 
+import verified  # tools/verified.py (this directory is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 EXECUTED_ROOT = ROOT / "build" / "executed"  # the site reads lessons/NN_x.ipynb from here
@@ -75,9 +77,11 @@ def cached_executed(lesson):
     return path if current and not has_errors(notebook) else None
 
 
-def save_executed(lesson, notebook):
+def save_executed(lesson, notebook, source):
+    """Store an executed notebook with the facts of the run that executed it (tools/verified.py)."""
     EXECUTED.mkdir(parents=True, exist_ok=True)
-    notebook.metadata["course"] = {"inputs_hash": inputs_hash(lesson)}
+    notebook.metadata["course"] = {"inputs_hash": inputs_hash(lesson),
+                                   "verified": verified.lesson_facts(source)}
     path = executed_path(lesson)
     tmp = path.with_suffix(".tmp")
     nbformat.write(notebook, tmp)
@@ -85,8 +89,9 @@ def save_executed(lesson, notebook):
     return path
 
 
-def execute(lesson, timeout_s=900):
-    """Execute a lesson top to bottom (cell timeout timeout_s); raise on the first error."""
+def execute(lesson, source, timeout_s=900):
+    """Execute a lesson top to bottom (cell timeout timeout_s); raise on the first error.
+    source names who ran it, for the page's stamp ("make course", "the site build")."""
     from nbclient import NotebookClient
 
     notebook = nbformat.read(write_notebook(lesson), as_version=4)
@@ -94,8 +99,8 @@ def execute(lesson, timeout_s=900):
     client = NotebookClient(notebook, timeout=timeout_s, kernel_name="python3",
                             resources={"metadata": {"path": str(LESSONS)}})
     client.execute()
-    return save_executed(lesson, notebook)
+    return save_executed(lesson, notebook, source)
 
 
 def ensure_executed(lesson):
-    return cached_executed(lesson) or execute(lesson)
+    return cached_executed(lesson) or execute(lesson, "the site build")

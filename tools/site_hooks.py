@@ -9,6 +9,7 @@
 """
 
 import difflib
+import json
 import re
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from mkdocs.structure.files import File
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
+import verified  # noqa: E402  (tools/verified.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +38,11 @@ def lab_page(lab, previous):
     doc = docstring(lab)
     title, _, rest = doc.partition("\n")
     lines = [f"# {title}", "", f"Source: `labs/{lab.name}` (one self-contained file: copy it "
-             "anywhere with torch installed and run it).", "", "```text", rest.strip(), "```", "",
+             "anywhere with torch installed and run it).", "",
+             f"!!! success \"Verified\"\n    {verified.lab_stamp(lab.stem)}" if verified.lab_stamp(lab.stem)
+             else "!!! warning \"Not verified in this build\"\n    No run of this lab was recorded "
+                  "(`make test` and `make course` record them).", "",
+             "```text", rest.strip(), "```", "",
              "## Run it", "", "```bash", f"torchrun --standalone --nproc-per-node 2 labs/{lab.name}"
              " --check-parity", "```", ""]
     log = ROOT / "build" / "course" / f"{lab.stem}.log"
@@ -115,7 +121,8 @@ def on_config(config):
     runbooks = ["runbooks/index.md", *[f"runbooks/{p.name}" for p in runbook_paths()]]
     reference = sorted([*(f"reference/{p.name}" for p in (ROOT / "docs" / "reference").glob("*.md")),
                         "reference/torchrun-flags.md"])
-    config.nav = [{"Home": "index.md"}, {"Lessons": lessons}, {"Labs": labs},
+    home = ["index.md", *(["onboarding.md"] if (ROOT / "docs" / "onboarding.md").exists() else [])]
+    config.nav = [{"Home": home}, {"Lessons": lessons}, {"Labs": labs},
                   {"Runbooks": runbooks}, *([{"Reference": reference}] if reference else [])]
     return config
 
@@ -128,5 +135,16 @@ _REPO_LINK = re.compile(r'href="((?:\.\./)*(?:lessons|labs|runbooks)/[^"#]+?)\.(
 
 def on_page_content(html, page, config, files):
     if page.file.src_uri.endswith(".ipynb"):
-        return _REPO_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(3) or ""}"', html)
+        html = _REPO_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(3) or ""}"', html)
+        facts = lesson_stamp_facts(page.file.abs_src_path)
+        stamp = verified.lesson_stamp(facts) if facts else "No record of the run that executed it."
+        stamp_html = f'<p class="verified-stamp"><em>{stamp}</em></p>'
+        if "</h1>" in html:  # right under the lesson's title
+            return html.replace("</h1>", "</h1>" + stamp_html, 1)
+        return stamp_html + html
     return html
+
+
+def lesson_stamp_facts(executed_notebook):
+    metadata = json.loads(Path(executed_notebook).read_text()).get("metadata", {})
+    return metadata.get("course", {}).get("verified")

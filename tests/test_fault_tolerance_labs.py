@@ -1,0 +1,103 @@
+"""Kill a rank, preempt a job: the FSDP, 2D and pipeline labs lose nothing either.
+
+The same scenarios as test_fault_tolerance.py (lab01), for the labs that checkpoint with
+torch.distributed.checkpoint. Their checkpoints are sharded directories, so the comparison
+first consolidates each one offline (dcp_to_torch_save, no process group) and then demands
+bit-identical tensors: parameters and optimizer state.
+"""
+
+import subprocess
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from launcher import LABS, PYTHON, free_port, quiet_env, run, run_lab
+
+LABS_WITH_DCP = ["lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline"]
+ARGS = ["--steps", "8"]
+PREEMPTED_EXIT_CODE = 75
+
+
+def consolidated(checkpoint_dir, tmp_path):
+    """The newest complete checkpoint as one flat {name: tensor} dict, and its step."""
+    newest = sorted(p for p in checkpoint_dir.glob("step_*") if p.suffix != ".tmp")[-1]
+    target = tmp_path / f"{checkpoint_dir.name}-{newest.name}.pt"
+    dcp_to_torch_save(newest, target)
+    state = torch.load(target, weights_only=False)  # written just now by dcp_to_torch_save
+    return int(newest.name.split("_")[1]), dict(flatten(state))
+
+
+def flatten(state, prefix=""):
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from flatten(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value
+
+
+def assert_bit_identical(a, b):
+    assert a.keys() == b.keys()
+    assert any("weight" in name for name in a)  # really holds the model
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module", params=LABS_WITH_DCP)
+def uninterrupted(request, tmp_path_factory):
+    lab = request.param
+    directory = tmp_path_factory.mktemp(f"{lab}-straight")
+    run_lab(lab, 2, [*ARGS, "--checkpoint-dir", directory, "--checkpoint-every", "2"],
+            timeout=300)
+    return lab, consolidated(directory, tmp_path_factory.mktemp("consolidated"))
+
+
+def test_rank_death_restart_resumes_bit_identical(uninterrupted, tmp_path):
+    """Rank 1 dies at step 5; torchrun (c10d, --max-restarts 1) restarts both ranks, which
+    resume from the checkpoint of step 4 and finish with the uninterrupted run's state."""
+    lab, (straight_step, straight_state) = uninterrupted
+    checkpoints = tmp_path / "checkpoints"
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           "--rdzv-id", f"{lab}-restart", "--max-restarts", "1", str(LABS / f"{lab}.py"),
+           *ARGS, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2",
+           "--fail-at-step", "5", "--fail-rank", "1"]
+    proc = run(cmd, timeout=300)
+    assert "injected failure: rank 1 exits at step 5" in proc.stderr
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout, proc.stdout
+    assert "terminate called" not in proc.stderr  # clean shutdown, no abort at exit
+    step, state = consolidated(checkpoints, tmp_path)
+    assert step == straight_step == 8
+    assert_bit_identical(state, straight_state)
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_bit_identical(uninterrupted, tmp_path):
+    lab, _ = uninterrupted
+    checkpoints = tmp_path / "checkpoints"
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(LABS / f"{lab}.py"), "--steps", "3000", "--log-every", "2",
+           "--checkpoint-dir", str(checkpoints)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=quiet_env())
+    deadline = time.monotonic() + 180
+    for line in proc.stdout:  # wait until training is under way
+        if line.startswith("step    4") or time.monotonic() > deadline:
+            break
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    for pid in workers.stdout.split():  # a scheduler signals every task of the job
+        subprocess.run(["kill", "-TERM", pid])
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in err, err[-2000:]
+    assert "preempted: checkpoint at step" in out, out
+    stopped_at, _ = consolidated(checkpoints, tmp_path)
+    assert 4 <= stopped_at < 3000
+
+    horizon = ["--steps", str(stopped_at + 2)]
+    straight = tmp_path / "straight"
+    run_lab(lab, 2, [*horizon, "--checkpoint-dir", straight], timeout=300)
+    resumed, _ = run_lab(lab, 2, [*horizon, "--checkpoint-dir", checkpoints], timeout=300)
+    assert f"at step {stopped_at}" in resumed.stdout
+    assert_bit_identical(consolidated(checkpoints, tmp_path)[1],
+                         consolidated(straight, tmp_path)[1])
