@@ -30,7 +30,8 @@ def jupyter(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "server", "--no-browser", f"--port={port}",
          "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={TOKEN}",
-         f"--ServerApp.root_dir={REPO}", "--ServerApp.port_retries=0"],
+         f"--ServerApp.root_dir={REPO}", "--ServerApp.port_retries=0",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],  # CI containers run as root
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JUPYTER_RUNTIME_DIR": str(runtime)})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90

@@ -83,8 +83,8 @@ def test_page_parses_into_complete_exercises():
     assert sorted(by_lesson) == lessons, "every lesson needs exercises, and only lessons"
     assert all(2 <= len(ids) <= 3 for ids in by_lesson.values()), by_lesson
     text = PAGE.read_text()
-    handed_in = re.findall(r"\d+\.\d+", " ".join(re.findall(r"Hand in exercises? ([0-9., and]+)",
-                                                             text)))
+    hand_ins = re.findall(r"Hand in\s+exercises?\s+([0-9.,\sand]+)", text)
+    handed_in = re.findall(r"\d+\.\d+", " ".join(hand_ins))
     assert sorted(handed_in) == sorted(EXERCISES), "the path hands in every exercise, once"
     launches = sum(s.count("torchrun ") for e in EXERCISES.values() for s in e["run"])
     assert launches <= 2, "keep the test to at most 2 torchrun launches"

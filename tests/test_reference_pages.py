@@ -8,7 +8,8 @@ of both pages point to files that exist and to headings those files have (tests/
 checks the built site as well; this catches the same mistakes in a second, without a build).
 
 Last, four facts the wrong-advice page relies on that nothing else in the suite executes, checked
-against the installed torch. Everything here runs in one process in about a second.
+against the installed torch. Everything here runs in one process, in a few seconds (most of
+it importing torch).
 """
 
 import importlib.util

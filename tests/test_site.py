@@ -179,18 +179,16 @@ def test_every_page_loads_clean_and_offline(browser, served_site, site):
     """No JavaScript error, no console error, and no request leaving localhost, on any page."""
     pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html"))
     assert len(pages) >= 30, pages
-    problems, requests = [], []
+    problems, requests, errors = [], [], []
     page = browser.new_page()
     page.on("request", lambda request: requests.append(request.url))
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda message: errors.append(message.text)
+            if message.type == "error" else None)
     for path in pages:
         requests.clear()
-        errors = []
-        page.on("pageerror", errors.append)
-        console = lambda message: errors.append(message.text) if message.type == "error" else None
-        page.on("console", console)
+        errors.clear()
         page.goto(f"{served_site}/{path}", wait_until="networkidle")
-        page.remove_listener("pageerror", errors.append)
-        page.remove_listener("console", console)
         problems += [f"{path}: {error}" for error in errors]
         problems += [f"{path}: request to {url}" for url in requests
                      if not url.startswith((served_site, "data:", "blob:", "about:"))]
@@ -217,7 +215,7 @@ def test_phone_sized_viewport_navigates_from_the_menu(browser, served_site):
     page.goto(f"{served_site}/index.html")
     sidebar = page.locator("nav.md-nav--primary")
     page.locator("label.md-header__button[for='__drawer']").click()  # the hamburger
-    sidebar.get_by_text("Runbooks", exact=True).first.click()  # opens the section
+    sidebar.locator("label.md-nav__link", has_text="Runbooks").first.click()  # its panel
     sidebar.locator("a[href$='runbooks/exit-hang.html']").first.click()
     page.wait_for_url("**/runbooks/exit-hang.html")
     assert "terminate called without an active exception" in page.inner_text("article")
@@ -241,7 +239,30 @@ def test_verified_stamps_come_from_recorded_runs(site):
         expected = stamp or "No run of this lab was recorded"
         assert expected in page, lab
     for notebook in sorted((REPO / "build" / "executed" / "lessons").glob("*.ipynb")):
-        facts = json.loads(notebook.read_text())["metadata"]["course"]["verified"]
+        facts = json.loads(notebook.read_text())["metadata"]["course"].get("verified")
         page = html_lib.unescape((site / "lessons" / f"{notebook.stem}.html").read_text())
-        assert verified.lesson_stamp(facts) in page, notebook.stem
-        assert facts["torch"] == __import__("torch").__version__
+        if os.environ.get("CI"):  # the lessons ran earlier in this session, recording it
+            assert facts and facts["torch"] == __import__("torch").__version__, notebook.stem
+        expected = verified.lesson_stamp(facts) if facts else "No record of the run that executed it."
+        assert expected in page, notebook.stem
+
+
+def test_decision_guide_figures_are_the_estimators(site):
+    """Every table cell of the generated guide, recomputed here from labs/memory_estimator.py."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("memory_estimator",
+                                                  REPO / "labs" / "memory_estimator.py")
+    est = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(est)
+    page = (site / "reference" / "which-parallelism.html").read_text()
+    rows = re.findall(r"<tr>\s*<td>(\d+)B</td>\s*<td>(\d+)</td>(.*?)</tr>", page, re.S)
+    assert len(rows) == 12, rows
+    for billions, gpus, cells in rows:
+        shown = re.findall(r"<td>([\d,.]+) GB \((?:fits|<strong>too big</strong>)\)</td>", cells)
+        for strategy, value in zip(("ddp", "zero1", "zero2", "zero3"), shown, strict=True):
+            total = est.estimate_per_rank(int(billions) * 10**9, int(gpus), strategy,
+                                          param_bytes=2, grad_bytes=2, master_weights=True)
+            assert abs(float(value.replace(",", "")) - total.total_bytes / 1e9) <= 0.05 + 1e-9, \
+                (billions, gpus, strategy, value)

@@ -19,6 +19,7 @@ from mkdocs.structure.files import File
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
+import decision_guide  # noqa: E402  (tools/decision_guide.py)
 import verified  # noqa: E402  (tools/verified.py)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +109,7 @@ def on_files(files, config):
         previous = lab
     add_generated(files, config, "labs/index.md", labs_index())
     add_generated(files, config, "reference/torchrun-flags.md", torchrun_flags_page())
+    add_generated(files, config, "reference/which-parallelism.md", decision_guide.page())
     for page in [ROOT / "runbooks" / "index.md", *runbook_paths()]:
         if page.exists():
             files.append(File(f"runbooks/{page.name}", str(ROOT), config.site_dir,
@@ -120,9 +122,9 @@ def on_config(config):
     labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lesson_tools.lab_paths()]]
     runbooks = ["runbooks/index.md", *[f"runbooks/{p.name}" for p in runbook_paths()]]
     reference = sorted([*(f"reference/{p.name}" for p in (ROOT / "docs" / "reference").glob("*.md")),
-                        "reference/torchrun-flags.md"])
-    home = ["index.md", *(["onboarding.md"] if (ROOT / "docs" / "onboarding.md").exists() else [])]
-    config.nav = [{"Home": home}, {"Lessons": lessons}, {"Labs": labs},
+                        "reference/torchrun-flags.md", "reference/which-parallelism.md"])
+    onboarding = [{"Start here": "onboarding.md"}] if (ROOT / "docs" / "onboarding.md").exists() else []
+    config.nav = [{"Home": "index.md"}, *onboarding, {"Lessons": lessons}, {"Labs": labs},
                   {"Runbooks": runbooks}, *([{"Reference": reference}] if reference else [])]
     return config
 
