@@ -305,3 +305,21 @@ def test_the_rpc_pipe_module_is_gone():
     """#82: torch.distributed.pipeline (Pipe) was removed in 2.4; pipelining replaces it."""
     assert importlib.util.find_spec("torch.distributed.pipeline") is None
     assert importlib.util.find_spec("torch.distributed.pipelining") is not None
+
+
+def test_launcher_variables_are_read_where_the_reference_says():
+    """runbooks/distributed-env-reference.md, "Launcher, threads and memory": each variable is
+    read (or set) by the torch 2.13 code the page names."""
+    import torch.distributed.elastic.agent.server.local_elastic_agent as agent
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as rendezvous
+    import torch.distributed.run as run
+
+    page = (REPO / "runbooks" / "distributed-env-reference.md").read_text()
+    for name in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                 "TORCHELASTIC_RESTART_COUNT", "PYTORCH_ALLOC_CONF"):
+        assert f"`{name}" in page, name
+    launcher = inspect.getsource(run)
+    assert 'if "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:' in launcher
+    assert 'os.environ["OMP_NUM_THREADS"] = str(omp_num_threads)' in launcher
+    assert 'os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")' in inspect.getsource(rendezvous)
+    assert '"TORCHELASTIC_RESTART_COUNT": str(restart_count)' in inspect.getsource(agent)
