@@ -16,6 +16,21 @@ Launch (the same file everywhere; the backend follows the hardware):
 Minimum world size: 1. Expected last line (numbers vary slightly with hardware):
     done | lab01_ddp | gloo x2 | 40 steps | loss 0.6... | parity 1.2e-07 | ...
 Lesson: lessons/01_ddp.py. Runbooks: runbooks/ (OOM, NCCL hangs, DataLoader stalls).
+
+Use it in your project:
+  - Replace: `build_model()` and `init_weights()` (your model, your init), `SyntheticSequences`
+    (your Dataset, still served by `micro_batches()`), `loss_fn()`, the batch unpacking in
+    `train_step()`. `--check-parity` (fp32, no dropout) tests your port on a small config.
+  - Keep: `init_distributed()` with `attempt_store()` (restarts: runbooks/restart-hang.md);
+    `ResumableDistributedSampler` and the set_epoch call in `micro_batches()`
+    (runbooks/dataloader-same-order-every-epoch.md); models created inside `run()` and freed
+    before `teardown_distributed()` (runbooks/exit-hang.md, cause D); `save_checkpoint()`:
+    temp file, fsync, os.replace, and `ddp_model.module` so keys have no "module." prefix.
+  - Pitfalls: a parameter that gets no gradient makes DDP raise at the next step ("Expected to
+    have finished reduction ..."): pass find_unused_parameters=True to DDP in `apply_ddp()`.
+    Ranks running different step counts fail or hang at the end (runbooks/exit-hang.md, cause
+    B). High "data NN%" in the log: raise `--num-workers` (runbooks/dataloader-slow-input.md).
+    Out of memory: raise `--grad-accum` to shrink the micro-batch (runbooks/oom-mitigations.md).
 """
 
 import argparse

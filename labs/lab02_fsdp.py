@@ -23,6 +23,21 @@ with hardware; the loss does not depend on the world size):
 Needs torch >= 2.6 (fully_shard and its policies became public in torch.distributed.fsdp then).
 Lesson: lessons/02_fsdp.py. Runbooks: runbooks/ (OOM, NCCL hangs). Memory model:
 labs/memory_estimator.py (what each rank should hold, and what that figure leaves out).
+
+Use it in your project:
+  - Replace: `build_model()` (run on the meta device by `build_fsdp_model()`); the loop over
+    `model.layers` in `apply_fsdp()` (one unit per block of yours); `init_sharded_weights()`,
+    which fills each shard from `initial_value()` (pretrained weights: dcp.load into the
+    sharded model, as `load_checkpoint()` does); `SyntheticSequences`; `loss_fn()`.
+  - Keep: the order in `build_fsdp_model()`: meta device, fully_shard on blocks then the root,
+    to_empty, fill (runbooks/oom-distributed-causes.md); `build_optimizer()` after it;
+    `gradient_sync()`; DCP `save_checkpoint()` / `load_checkpoint()` (tmp dir, then rename;
+    any world size); `--mixed-precision bf16`: bf16 matmuls, fp32 shards and grad reduction.
+  - Pitfalls: fully_shard replaces every parameter: an optimizer built before it trains
+    nothing, silently. Sharding only the root gathers the whole model at once; one unit per
+    Linear means many small collectives. dcp.save and `full_state_dict()` are collectives:
+    never under `if rank == 0` (runbooks/collective-timeout.md). Out of memory:
+    `--activation-checkpointing`, `--cpu-offload` (runbooks/oom-mitigations.md).
 """
 
 import argparse

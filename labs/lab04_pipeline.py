@@ -16,12 +16,12 @@ Launch (the same file everywhere; the backend follows the hardware):
     torchrun --nproc-per-node 2 labs/lab04_pipeline.py --schedule Interleaved1F1B \\
         --stages-per-rank 2 --microbatches 4 --check-parity                   # 4 stages on 2 ranks
     torchrun --nproc-per-node 4 labs/lab04_pipeline.py --dp 2 --check-parity  # 2 x 2-stage pipes
-    torchrun --nproc-per-node 8 labs/lab04_pipeline.py --num-layers 8 \
+    torchrun --nproc-per-node 8 labs/lab04_pipeline.py --num-layers 8 \\
         --microbatches 16 --batch-size 64                                     # one node, 8 GPUs
     # two nodes (run on each; same --rdzv-id everywhere, node 0's address as the endpoint;
     # --checkpoint-dir must be on a filesystem every node sees):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint $HEAD_NODE:29400 --rdzv-id $JOB_ID labs/lab04_pipeline.py \
+        --rdzv-endpoint $HEAD_NODE:29400 --rdzv-id $JOB_ID labs/lab04_pipeline.py \\
         --num-layers 16 --microbatches 32 --batch-size 64
 
 Schedules (class name without "Schedule"; the lab rejects a combination the class cannot run):
@@ -35,6 +35,21 @@ exits 2). Expected last line (first command above; numbers vary slightly with ha
     done | lab04_pipeline | gloo x2 | 40 steps | loss 0.36... | parity 2.4e-07 | ...
 Lesson: lessons/04_pipeline.py. Runbooks: runbooks/collective-timeout.md, stuck-rank.md,
 oom-mitigations.md.
+
+Use it in your project:
+  - Replace: `build_model()`, keeping what `build_stage_module()` relies on: blocks in a dict
+    keyed by index (names stay the whole model's) and a forward that skips a None embedding,
+    norm or output; `loss_fn()` (the schedule calls it per microbatch, on the last stage
+    only); `SyntheticSequences`.
+  - Keep: `stage_ids_for_rank()`; the ("dp", "pp") mesh of `build_pipeline()` (a pipeline on
+    neighbouring ranks, sends on its "pp" group only); `train_step()`: inputs to the first
+    stage, target and losses to the last, one all-reduce for the logged loss;
+    `clip_grad_norm()` across stages; checkpoints keyed by whole-model names (any pp or dp).
+  - Pitfalls: stages split `--num-layers` evenly, but the first and last also hold embedding
+    and output: balance by cost. Bubble (pp-1)/(m+pp-1) for GPipe and 1F1B
+    (`bubble_formula()`): more `--microbatches` shrink it, but GPipe keeps all m in memory
+    (runbooks/oom-mitigations.md). Shapes are inferred at the first step: pad to a fixed
+    length. A rank that skips a step leaves its neighbours waiting (runbooks/stuck-rank.md).
 """
 
 import argparse

@@ -266,3 +266,15 @@ def test_decision_guide_figures_are_the_estimators(site):
                                           param_bytes=2, grad_bytes=2, master_weights=True)
             assert abs(float(value.replace(",", "")) - total.total_bytes / 1e9) <= 0.05 + 1e-9, \
                 (billions, gpus, strategy, value)
+
+
+def test_lab_pages_show_the_use_it_in_your_project_guide(site):
+    """The docstring block (format checked by tests/test_lab_guides.py) becomes a section with
+    its runbook paths turned into working links (the link checker above covers them)."""
+    for lab in sorted(p.stem for p in (REPO / "labs").glob("lab0*.py")):
+        page = (site / "labs" / f"{lab}.html").read_text()
+        section = page[page.index('id="use-it-in-your-project"'):page.index('id="source"')]
+        for label in ("Replace:", "Keep:", "Pitfalls:"):
+            assert f"<strong>{label}</strong>" in section, (lab, label)
+        assert 'href="../runbooks/' in section, lab
+        assert "Use it in your project:" not in page.split('id="source"')[0], lab  # not twice

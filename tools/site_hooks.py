@@ -8,6 +8,7 @@
 - the nav is built from what exists, in course order.
 """
 
+import ast
 import difflib
 import json
 import re
@@ -31,12 +32,27 @@ def runbook_paths():
 
 
 def docstring(path):
-    match = re.match(r'\s*"""(.*?)"""', path.read_text(), re.S)
-    return match.group(1).strip() if match else ""
+    """The module docstring as Python sees it (escapes such as a trailing \\ resolved)."""
+    return (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
+
+
+_GUIDE = re.compile(r"^Use it in your project:\n((?:  .*(?:\n|$))+)", re.M)
+
+
+def project_guide(doc):
+    """Split the docstring's "Use it in your project:" block off as markdown (labels in bold,
+    runbook paths as links); return (markdown or None, the rest of the docstring)."""
+    match = _GUIDE.search(doc)
+    if not match:
+        return None, doc
+    lines = [line[2:] for line in match.group(1).rstrip().splitlines()]
+    guide = re.sub(r"^- (Replace|Keep|Pitfalls):", r"- **\1:**", "\n".join(lines), flags=re.M)
+    guide = re.sub(r"`?runbooks/([\w-]+)\.md`?", r"[\1](../runbooks/\1.md)", guide)
+    return guide, doc[:match.start()] + doc[match.end():]
 
 
 def lab_page(lab, previous):
-    doc = docstring(lab)
+    guide, doc = project_guide(docstring(lab))
     title, _, rest = doc.partition("\n")
     lines = [f"# {title}", "", f"Source: `labs/{lab.name}` (one self-contained file: copy it "
              "anywhere with torch installed and run it).", "",
@@ -46,6 +62,8 @@ def lab_page(lab, previous):
              "```text", rest.strip(), "```", "",
              "## Run it", "", "```bash", f"torchrun --standalone --nproc-per-node 2 labs/{lab.name}"
              " --check-parity", "```", ""]
+    if guide:
+        lines += ["## Use it in your project", "", guide, ""]
     log = ROOT / "build" / "course" / f"{lab.stem}.log"
     if log.exists():
         output = [line for line in log.read_text().splitlines() if not line.startswith("W")]
