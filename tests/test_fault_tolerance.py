@@ -131,9 +131,15 @@ def restart_drill(*flags):
 
 
 def test_restart_drill_reproduces_the_stale_store_and_the_fix_removes_it():
-    """runbooks/restart-hang.md, cause C: the documented symptom, then the documented fix."""
-    broken = restart_drill()
-    assert broken.returncode != 0
+    """runbooks/restart-hang.md, cause C: the documented symptom, then the documented fix.
+    The drill forces the stale read with a rendezvous-side sync, yet some unfixed restarts
+    still recover (here, 2 of 5 test runs needed a retry and one saw 3 recoveries in a row), so
+    the symptom gets up to 8 tries."""
+    for _ in range(8):
+        broken = restart_drill()
+        if broken.returncode != 0:
+            break
+    assert broken.returncode != 0, broken.stdout + broken.stderr[-3000:]
     assert "Gloo connectFullMesh failed with" in broken.stderr
     fixed = restart_drill("--fixed")
     assert fixed.returncode == 0, fixed.stderr[-3000:]

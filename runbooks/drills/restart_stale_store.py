@@ -3,8 +3,8 @@
 torchrun's c10d rendezvous keeps one TCP store for the whole job and the workers of every
 restart attempt use it. Attempt 0 writes each rank's gloo address there; after rank 1 dies and
 torchrun restarts both ranks, a restarted rank that looks up its peer before the peer has
-re-registered gets the old address, and its connection is refused. To make that happen every
-time, the surviving rank of attempt 0 also dies without cleanup (as a SIGKILLed worker would),
+re-registered gets the old address, and its connection is refused. To make that happen in most
+runs (not all: some unfixed restarts still recover), the surviving rank of attempt 0 also dies without cleanup (as a SIGKILLed worker would),
 and restarted rank 0 joins --late-s after rank 1. --fixed namespaces the store keys
 by attempt, as the labs do, and the restart succeeds.
 
