@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,3 +78,21 @@ def run_lab(lab, nproc, args=(), tmp_path=None, timeout=180, env=None, check=Tru
     if proc.returncode == 0 and metrics:
         verified.record_lab_run(metrics, "the test suite")  # the lab pages' "verified on" stamp
     return proc, metrics
+
+
+def preempt_lab(lab, nproc, args, once_printed, timeout=180):
+    """Start labs/<lab>.py under torchrun, wait until a stdout line starts with `once_printed`,
+    then SIGTERM every worker (as a scheduler preempting the job does) and wait for the end.
+    Returns (returncode, stdout, stderr)."""
+    cmd = torchrun_cmd(LABS / f"{lab}.py", nproc, args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=quiet_env())
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:  # wait until training is under way
+        if line.startswith(once_printed) or time.monotonic() > deadline:
+            break
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    for pid in workers.stdout.split():
+        subprocess.run(["kill", "-TERM", pid])
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err

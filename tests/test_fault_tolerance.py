@@ -4,13 +4,11 @@ Every scenario ends with the same parameters, bit for bit, as an uninterrupted r
 """
 
 import signal
-import subprocess
-import time
 
 import pytest
 import torch
 
-from launcher import LABS, PYTHON, free_port, quiet_env, run, run_lab
+from launcher import LABS, PYTHON, free_port, preempt_lab, run, run_lab
 
 LAB = "lab01_ddp"
 ARGS = ["--steps", "12", "--grad-accum", "2", "--num-samples", "64"]  # crosses epochs
@@ -71,25 +69,10 @@ def test_crash_mid_checkpoint_never_corrupts_the_last_good_one(tmp_path, uninter
     assert_same_model(model, uninterrupted[1])
 
 
-def worker_pids(torchrun_pid):
-    out = subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True)
-    return [int(pid) for pid in out.stdout.split()]
-
-
 def test_sigterm_finishes_the_step_checkpoints_and_exits_75(tmp_path):
     long_args = ["--steps", "3000", "--log-every", "5", "--checkpoint-dir", tmp_path]
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(LABS / f"{LAB}.py"), *map(str, long_args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=quiet_env())
-    deadline = time.monotonic() + 120
-    for line in proc.stdout:  # wait until training is under way
-        if line.startswith("step   10") or time.monotonic() > deadline:
-            break
-    for pid in worker_pids(proc.pid):  # a scheduler signals every task of the job
-        subprocess.run(["kill", "-TERM", str(pid)])
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    returncode, out, err = preempt_lab(LAB, 2, long_args, "step   10", timeout=120)
+    assert returncode != 0
     assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in err, err[-2000:]
     assert "preempted: checkpoint at step" in out
     (checkpoint,) = tmp_path.glob("step_*.pt")

@@ -6,14 +6,12 @@ first consolidates each one offline (dcp_to_torch_save, no process group) and th
 bit-identical tensors: parameters and optimizer state.
 """
 
-import subprocess
-import time
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from launcher import LABS, PYTHON, free_port, quiet_env, run, run_lab
+from launcher import LABS, PYTHON, free_port, preempt_lab, run, run_lab
 
 LABS_WITH_DCP = ["lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline"]
 ARGS = ["--steps", "8"]
@@ -75,20 +73,9 @@ def test_rank_death_restart_resumes_bit_identical(uninterrupted, tmp_path):
 def test_sigterm_checkpoints_exits_75_and_resumes_bit_identical(uninterrupted, tmp_path):
     lab, _ = uninterrupted
     checkpoints = tmp_path / "checkpoints"
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(LABS / f"{lab}.py"), "--steps", "3000", "--log-every", "2",
-           "--checkpoint-dir", str(checkpoints)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=quiet_env())
-    deadline = time.monotonic() + 180
-    for line in proc.stdout:  # wait until training is under way
-        if line.startswith("step    4") or time.monotonic() > deadline:
-            break
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
-    for pid in workers.stdout.split():  # a scheduler signals every task of the job
-        subprocess.run(["kill", "-TERM", pid])
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode != 0
+    long_args = ["--steps", "3000", "--log-every", "2", "--checkpoint-dir", checkpoints]
+    returncode, out, err = preempt_lab(lab, 2, long_args, "step    4")
+    assert returncode != 0
     assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in err, err[-2000:]
     assert "preempted: checkpoint at step" in out, out
     stopped_at, _ = consolidated(checkpoints, tmp_path)
