@@ -162,11 +162,17 @@ def test_browser_renders_home_and_navigates_to_a_lesson(browser, served_site):
     assert errors == []
 
 
-def test_browser_search_finds_a_lab(browser, served_site):
+def search(browser, served_site, query):
+    """Type `query` into the site's search box, as a reader does; return the page."""
     page = browser.new_page()
     page.goto(f"{served_site}/index.html")
     page.locator("label.md-search__icon, .md-search__input").first.click()
-    page.locator("input.md-search__input").fill("no_sync")
+    page.locator("input.md-search__input").fill(query)
+    return page
+
+
+def test_browser_search_finds_a_lab(browser, served_site):
+    page = search(browser, served_site, "no_sync")
     result = page.locator(".md-search-result__item").first
     result.wait_for(state="visible", timeout=15000)
     assert page.locator(".md-search-result__item").count() >= 1
@@ -201,10 +207,7 @@ def test_every_page_loads_clean_and_offline(browser, served_site, site):
 
 
 def test_browser_search_finds_a_runbook_by_its_error_string(browser, served_site):
-    page = browser.new_page()
-    page.goto(f"{served_site}/index.html")
-    page.locator("label.md-search__icon, .md-search__input").first.click()
-    page.locator("input.md-search__input").fill("terminate called without an active exception")
+    page = search(browser, served_site, "terminate called without an active exception")
     result = page.locator(".md-search-result__item a[href*='runbooks/exit-hang']").first
     result.wait_for(state="attached", timeout=15000)
 
