@@ -54,9 +54,10 @@ def project_guide(doc):
 def lab_page(lab, previous):
     guide, doc = project_guide(docstring(lab))
     title, _, rest = doc.partition("\n")
+    stamp = verified.lab_stamp(lab.stem)
     lines = [f"# {title}", "", f"Source: `labs/{lab.name}` (one self-contained file: copy it "
              "anywhere with torch installed and run it).", "",
-             f"!!! success \"Verified\"\n    {verified.lab_stamp(lab.stem)}" if verified.lab_stamp(lab.stem)
+             f"!!! success \"Verified\"\n    {stamp}" if stamp
              else "!!! warning \"Not verified in this build\"\n    No run of this lab was recorded "
                   "(`make test` and `make course` record them).", "",
              "```text", rest.strip(), "```", "",
