@@ -1,7 +1,10 @@
 """Two nodes on one machine: two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1)
 reach exactly the result of one agent with the same world size; agents that disagree on
 --rdzv-id never meet and fail with a rendezvous timeout; the SLURM recipe, run with stand-in
-srun/scontrol commands, starts the same two agents and trains.
+srun/scontrol commands, starts the same two agents and trains; two agents in two Linux network
+namespaces (a veth pair, real addresses, no shared loopback) match one agent too, and each of
+the three launch settings a node with a loopback hostname needs shows its own symptom when
+left out (runbooks/drills/two_node_netns.sh).
 
 The SLURM test does not run a real SLURM controller: `srun` and `scontrol` are small shell
 stand-ins (below) that start the script's per-node command once per node on this machine.
@@ -10,6 +13,8 @@ stand-ins (below) that start the script's per-node command once per node on this
 import json
 import os
 import re
+import shutil
+import socket
 import stat
 import subprocess
 
@@ -20,6 +25,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from launcher import LABS, PYTHON, REPO, free_port, quiet_env, run_lab
 
 SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
+NETNS_DRILL = REPO / "runbooks" / "drills" / "two_node_netns.sh"
 STEPS = ["--steps", "6"]
 
 
@@ -152,4 +158,91 @@ def test_slurm_recipe_refuses_to_run_outside_a_job():
 def test_slurm_recipe_passes_shellcheck():
     proc = subprocess.run(["shellcheck", "--severity=style", str(SBATCH)], capture_output=True,
                           text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
+
+
+def netns_unavailable():
+    """Why this machine cannot run the network-namespace drill ('' when it can)."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return "needs root and iproute2 (ip netns)"
+    probe = f"cnprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode:
+        return f"cannot create a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=True)
+    return ""
+
+
+def start_netns_drill(omit, log_dir, timeout_s, lab_args):
+    log_dir.mkdir(parents=True)
+    env = {**quiet_env(), "PYTHON": PYTHON, "LOG_DIR": str(log_dir), "TIMEOUT_S": str(timeout_s),
+           "LAB_ARGS": lab_args}
+    return subprocess.Popen(["bash", str(NETNS_DRILL), "--omit", omit], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+
+
+NETNS_UNAVAILABLE = netns_unavailable()
+needs_netns = pytest.mark.skipif(bool(NETNS_UNAVAILABLE), reason=NETNS_UNAVAILABLE or "-")
+
+
+@needs_netns
+def test_two_network_namespaces_match_one_agent(tmp_path):
+    """Two nodes with their own addresses on a veth link (10.77.0.1, 10.77.0.2): with
+    is_host, --local-addr and GLOO_SOCKET_IFNAME set, lab01 trains exactly as one agent does."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = [*STEPS, "--checkpoint-every", "6"]
+    run_lab("lab01_ddp", 2, [*common, "--checkpoint-dir", one], timeout=300)
+    drill = start_netns_drill("none", tmp_path / "logs", 30,
+                              " ".join([*common, "--checkpoint-dir", str(two)]))
+    out, _ = drill.communicate(timeout=300)
+    assert drill.returncode == 0, out[-3000:]
+    assert "two_node_netns: OK" in out and "done | lab01_ddp | gloo x2 | 6 steps" in out, out
+    a, b = final_state("lab01_ddp", one, tmp_path), final_state("lab01_ddp", two, tmp_path)
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# What each omitted setting prints (TIMEOUT_S=5), as runbooks/startup-hang.md (cause E) quotes it.
+NETNS_SYMPTOMS = {
+    # Nobody hosts the store: the endpoint is not what the host node's hostname resolves to.
+    "is-host": ["RendezvousConnectionError: The connection to the C10d store has failed. "
+                "See inner exception for details.",
+                "while trying to connect to (10.77.0.1, 29400)"],
+    # Node B's worker is sent to node A's hostname, which resolves to B's own loopback.
+    "local-addr": ["The client socket has timed out after 5000ms while trying to connect to (",
+                   "DistStoreError: wait timeout"],
+    # gloo binds what the hostname resolves to (127.0.1.1), and tells the peer to come there.
+    "gloo-ifname": ["Gloo connectFullMesh failed with", "Connection refused, remote=[127.0.1.1]:"],
+}
+
+
+@needs_netns
+def test_each_omitted_setting_shows_its_symptom(tmp_path):
+    page = (REPO / "runbooks" / "startup-hang.md").read_text()
+    drills = {omit: start_netns_drill(omit, tmp_path / omit, 5, "--steps 4")
+              for omit in NETNS_SYMPTOMS}  # side by side: they mostly wait for timeouts
+    for omit, drill in drills.items():
+        out, _ = drill.communicate(timeout=300)
+        logs = out + "".join(p.read_text() for p in (tmp_path / omit).glob("node*.log"))
+        assert drill.returncode == 1, out[-3000:]
+        assert f"two_node_netns: FAILED | exit codes 1 1 | omitted: {omit}" in out, out[-3000:]
+        assert "step " not in logs  # no rank ever trained
+        for symptom in NETNS_SYMPTOMS[omit]:
+            assert symptom in logs, (omit, symptom, out[-3000:])
+            assert symptom in page, f"startup-hang.md does not quote {symptom!r}"
+        if omit == "local-addr":  # the name it was sent to: this machine's hostname
+            assert f"while trying to connect to ({socket.gethostname()}, " in logs
+
+
+def test_netns_drill_refuses_bad_input():
+    proc = subprocess.run(["bash", str(NETNS_DRILL), "--omit", "dns"], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "--omit: unknown setting 'dns' (is-host, local-addr, gloo-ifname)"
+
+
+def test_netns_drill_passes_shellcheck():
+    proc = subprocess.run(["shellcheck", "--severity=style", str(NETNS_DRILL)],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
