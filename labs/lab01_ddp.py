@@ -675,6 +675,7 @@ def run(cfg, rank, world_size, device, wall_start):
             sys.exit(f"parity check failed: max |param diff| {parity:.2e} > {cfg.parity_tol:.0e}")
 
 
+# --8<-- [start:main]
 def main(argv=None):
     cfg = parse_config(argv)
     wall_start = time.perf_counter()
@@ -691,3 +692,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+# --8<-- [end:main]

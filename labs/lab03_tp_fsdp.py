@@ -995,6 +995,7 @@ def run(cfg, rank, world_size, device, wall_start):
                      f"{cfg.parity_tol:.0e}")
 
 
+# --8<-- [start:main]
 def main(argv=None):
     cfg = parse_config(argv)
     wall_start = time.perf_counter()
@@ -1011,3 +1012,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+# --8<-- [end:main]

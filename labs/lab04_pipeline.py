@@ -1163,6 +1163,7 @@ def run(cfg, rank, world_size, device, wall_start):
                      f"{loss_parity:.1e})")
 
 
+# --8<-- [start:main]
 def main(argv=None):
     cfg = parse_config(argv)
     wall_start = time.perf_counter()
@@ -1179,3 +1180,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+# --8<-- [end:main]

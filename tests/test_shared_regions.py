@@ -1,4 +1,4 @@
-"""Labs are copied alone, so setup/model/data/metrics are duplicated on purpose. This keeps the
+"""Labs are copied alone, so setup/model/data/metrics/main are duplicated on purpose. This keeps the
 copies identical: one edit, every lab updated, or this test fails naming the region and lab."""
 
 import re
@@ -8,7 +8,7 @@ import pytest
 
 LABS = Path(__file__).resolve().parents[1] / "labs"
 REGION = re.compile(r"^# --8<-- \[start:(\w+)\]\n(.*?)^# --8<-- \[end:\1\]\n", re.S | re.M)
-REQUIRED = {"cli", "setup", "model", "data", "metrics", "faults"}
+REQUIRED = {"cli", "setup", "model", "data", "metrics", "faults", "main"}
 
 
 def regions(path):
