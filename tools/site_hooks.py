@@ -76,9 +76,9 @@ def lab_page(lab, previous):
                                     lab.read_text().splitlines(),
                                     f"labs/{previous.name}", f"labs/{lab.name}", lineterm="")
         lines += [f"## What changed since `{previous.name}`", "",
-                  "Generated at build time; the shared regions (cli, setup, model, data, metrics, faults, "
-                  "main) "
-                  "are identical, so the diff is the new technique.", "", "```diff", *diff,
+                  "Generated at build time; the shared regions (cli, setup, model, data, "
+                  "metrics, faults, main) are identical, so the diff is the new technique.", "",
+                  "```diff", *diff,
                   "```", ""]
     return "\n".join(lines)
 
