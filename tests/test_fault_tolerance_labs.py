@@ -1,4 +1,4 @@
-"""Kill a rank, preempt a job: the FSDP, 2D and pipeline labs lose nothing either.
+"""Kill a rank, crash mid-checkpoint, preempt a job: the FSDP, 2D and pipeline labs lose nothing.
 
 The same scenarios as test_fault_tolerance.py (lab01), for the labs that checkpoint with
 torch.distributed.checkpoint. Their checkpoints are sharded directories, so the comparison
@@ -88,3 +88,23 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bit_identical(uninterrupted, t
     assert f"at step {stopped_at}" in resumed.stdout
     assert_bit_identical(consolidated(checkpoints, tmp_path)[1],
                          consolidated(straight, tmp_path)[1])
+
+
+def test_crash_mid_checkpoint_resumes_from_the_previous_one(uninterrupted, tmp_path):
+    """Rank 0 dies after DCP wrote every shard of step 6 but before the rename that commits it.
+    The half-written step_00000006.tmp must never be loaded: the rerun resumes from step 4 and
+    ends bit-identical to the uninterrupted run."""
+    lab, (straight_step, straight_state) = uninterrupted
+    checkpoints = tmp_path / "checkpoints"
+    common = [*ARGS, "--checkpoint-dir", checkpoints, "--checkpoint-every", "2"]
+    crashed, _ = run_lab(lab, 2, [*common, "--crash-in-checkpoint", "6"], timeout=300,
+                         check=False)
+    assert crashed.returncode != 0
+    assert "injected crash while writing the checkpoint of step 6" in crashed.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "step_00000002", "step_00000004", "step_00000006.tmp"]
+    resumed, _ = run_lab(lab, 2, common, timeout=300)
+    assert "at step 4" in resumed.stdout, resumed.stdout
+    step, state = consolidated(checkpoints, tmp_path)
+    assert step == straight_step == 8
+    assert_bit_identical(state, straight_state)
