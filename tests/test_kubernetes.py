@@ -102,10 +102,11 @@ def test_the_checker_catches_a_broken_manifest(breakage, message):
 
 
 def test_operator_admission_rules_hold():
-    """pkg/webhooks/pytorch/pytorchjob_webhook.go: a DNS-1035 name; Workers when an elastic
-    policy is set; a container named "pytorch" in every replica; a Master, if any, exactly 1;
-    not both nprocPerNode fields. And envvar.go needs the port named "pytorchjob-port" to build
-    the rendezvous endpoint when rdzvPort is not set."""
+    """pkg/webhooks/pytorch/pytorchjob_webhook.go and webhooks/utils: a DNS-1035 name; Workers
+    when an elastic policy is set; a container named "pytorch" in every replica, every
+    container with an image; a Master, if any, exactly 1; not both nprocPerNode fields. And
+    envvar.go needs the port named "pytorchjob-port" to build the rendezvous endpoint when
+    rdzvPort is not set."""
     job = documents()["PyTorchJob"]
     assert re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", job["metadata"]["name"])
     specs = job["spec"]["pytorchReplicaSpecs"]
@@ -113,6 +114,7 @@ def test_operator_admission_rules_hold():
     assert specs.get("Master", {"replicas": 1})["replicas"] == 1
     for spec in specs.values():
         assert any(c["name"] == "pytorch" for c in spec["template"]["spec"]["containers"])
+        assert all(c.get("image") for c in spec["template"]["spec"]["containers"])
         assert spec["replicas"] >= 1
     assert not ("nprocPerNode" in job["spec"] and "nProcPerNode" in job["spec"]["elasticPolicy"])
     assert any(p["name"] == "pytorchjob-port" for p in container(job)["ports"])
