@@ -219,29 +219,34 @@ for m in runs.values():
 #
 # - **measured**: wall clock, the median step. It includes everything real: send/recv latency,
 #   Python overhead between actions, and on a shared machine, other processes taking the core.
-# - **replayed**: the median step's action order per rank, each action lasting the median
-#   measured CPU time of its kind and stage, with instant communication. It removes latency and contention but keeps what the formula
+# - **replayed**: the median step's action order per rank, each action lasting the shortest
+#   CPU time measured for its kind and stage (interference only adds time), with instant
+#   communication. It removes latency and contention but keeps what the formula
 #   ignores: stages of unequal cost (stage 0 also embeds, the last stage also normalises and
 #   projects to the vocabulary) and a backward that costs about twice a forward.
+# - **equal stages**: the same replay with the formula's assumption, every stage equally fast
+#   (forward 1, backward 2). What remains is the shape of the schedule alone.
 
 # %%
-print(f"{'schedule':22s} {'formula':>8s} {'replayed':>9s} {'measured':>9s}")
+print(f"{'schedule':22s} {'formula':>8s} {'equal stages':>13s} {'replayed':>9s} {'measured':>9s}")
 for name, m in runs.items():
     b = m["bubble"]
     formula = "-" if b["formula"] is None else f"{b['formula']:.3f}"
-    print(f"{name:22s} {formula:>8s} {b['replayed']:9.3f} {b['measured']:9.3f}")
+    print(f"{name:22s} {formula:>8s} {b['replayed_equal_stages']:13.3f} {b['replayed']:9.3f} "
+          f"{b['measured']:9.3f}")
 for name in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"):
     b = runs[name]["bubble"]
-    assert abs(b["replayed"] - b["formula"]) <= 0.10, (name, b)
-    assert b["measured"] >= b["formula"] - 0.03, (name, b)
+    assert abs(b["replayed_equal_stages"] - b["formula"]) < 1e-9, (name, b)
+    assert min(b["replayed"], b["measured"]) >= b["formula"] - 0.03, (name, b)
 assert runs["GPipe"]["bubble"]["formula"] == bubble(2, 4)
 assert runs["Interleaved1F1B"]["bubble"]["formula"] == bubble(2, 4, v=2)
 
 # %% [markdown]
-# How close is it? The replayed bubble lands within 0.10 of the formula (asserted above; the
-# test suite asserts the same): the formula is right about the schedule's shape, and the rest
-# is stage imbalance. The measured bubble is never below the formula (a balanced pipeline is
-# the best case), but sits well above it here. The reason is scale: each action of this tiny
+# How close is it? With equal stages the replay gives the formula exactly (asserted above; the
+# test suite asserts the same): the formula is right about the schedule's shape. With the
+# measured costs the replay lands above it, by this run's stage imbalance (0.00 to 0.12 between
+# identical runs on a shared 2-core VM). Neither is below the formula: a balanced pipeline is
+# the best case. The measured bubble sits well above it here. The reason is scale: each action of this tiny
 # model takes a few milliseconds, while a gloo send/receive on CPU plus the Python between
 # actions costs a sizeable fraction of that, and the two ranks share the machine with
 # whatever else is running. On GPUs with real layer sizes, actions take tens of milliseconds

@@ -21,13 +21,11 @@ STEPS = 5
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
              "ZBVZeroBubble", "DualPipeV"]
 AVAILABLE = [s for s in SCHEDULES if hasattr(pipelining, f"Schedule{s}")]
-# The closed-form bubble assumes equal stages and free communication. The replay (the recorded
-# action order, each action the median measured CPU time of its kind and stage, instant
-# communication) differs from it only
-# by how unequal the stages are (embedding on stage 0, norm + output on the last); the wall-
-# clock measurement adds send/recv latency and any other process on the cores, so it is only
-# bounded from below.
-REPLAY_TOL = 0.10
+# The closed-form bubble assumes equal stages and free communication. Replaying the recorded
+# action order with equal stages must give it exactly: that checks the schedule's shape. The
+# replay with each action's measured cost (its minimum CPU time) adds this run's stage and rank
+# imbalance, which on a shared 2-core VM varied from 0.00 to 0.12 between identical runs, so
+# only its floor is asserted; the wall-clock measurement also adds send/recv latency.
 MEASURED_FLOOR_SLACK = 0.03
 
 
@@ -107,7 +105,8 @@ def test_bubble_agrees_with_formula(runs, schedule):
     p, v, mb = 2, runs[schedule]["stages_per_rank"], MICROBATCHES
     formula = (p - 1) / (v * mb + p - 1)
     assert bubble["formula"] == pytest.approx(formula)
-    assert abs(bubble["replayed"] - formula) <= REPLAY_TOL, bubble
+    assert bubble["replayed_equal_stages"] == pytest.approx(formula, abs=1e-9), bubble
+    assert bubble["replayed"] >= formula - MEASURED_FLOOR_SLACK, bubble
     assert bubble["measured"] >= formula - MEASURED_FLOOR_SLACK, bubble
     assert 0 < bubble["measured"] < 1
 

@@ -246,3 +246,20 @@ def test_netns_drill_passes_shellcheck():
     proc = subprocess.run(["shellcheck", "--severity=style", str(NETNS_DRILL)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_slurm_recipe_survives_a_long_node_list(tmp_path):
+    """`scontrol ... | head -n 1` under pipefail ends the script with 141 (SIGPIPE) once the
+    node list outgrows the pipe buffer; the recipe reads the first node without closing early."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\nfor i in $(seq 100000); do echo "gpu-$i"; done\n')
+    (bin_dir / "scontrol").chmod(stat.S_IRWXU)
+    env = {k: v for k, v in os.environ.items() if k != "HEAD_NODE"}
+    env.update({"PATH": f"{bin_dir}:{os.environ['PATH']}", "DRY_RUN": "1", "SLURM_JOB_ID": "7",
+                "SLURM_NNODES": "100000", "SLURM_JOB_NODELIST": "gpu-[1-100000]",
+                "SLURM_GPUS_ON_NODE": "8"})
+    proc = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert "--rdzv-endpoint gpu-1:29400" in proc.stdout
