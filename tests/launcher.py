@@ -4,6 +4,7 @@ Every launch has a timeout, and a failure shows the full output of every rank, s
 test says which rank broke and how.
 """
 
+import importlib.util
 import json
 import os
 import socket
@@ -22,6 +23,15 @@ import verified  # noqa: E402  (tools/verified.py)
 
 class LaunchError(AssertionError):
     pass
+
+
+def load_script(path):
+    """Import a standalone script (a lab, a drill) as a module; its main() stays behind
+    `if __name__ == "__main__"`, so nothing runs."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port():

@@ -14,7 +14,6 @@ Not tested: a real cluster, the operator itself, GPUs and NCCL.
 """
 
 import copy
-import importlib.util
 import os
 import re
 import subprocess
@@ -24,7 +23,7 @@ import pytest
 import yaml
 
 import k8s_schema
-from launcher import LABS, PYTHON, REPO, free_port, quiet_env
+from launcher import LABS, PYTHON, REPO, free_port, load_script, quiet_env
 
 MANIFEST = REPO / "launch" / "k8s" / "lab02-fsdp.yaml"
 
@@ -163,18 +162,11 @@ def test_each_pod_launches_the_intended_job(monkeypatch):
     assert config.rdzv_endpoint == "lab02-fsdp-worker-0:29400"
     assert config.run_id == "lab02-fsdp" and config.max_restarts == 3
     assert args.training_script == "/course/labs/lab02_fsdp.py"
-    lab = load_lab("lab02_fsdp")
+    lab = load_script(LABS / "lab02_fsdp.py")
     monkeypatch.setenv("WORLD_SIZE", "16")  # what each worker will see: 2 pods x 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = lab.parse_config(args.training_script_args)  # the lab's own checks accept these flags at 16 ranks
     assert (cfg.hsdp, cfg.checkpoint_dir) == (2, "/checkpoints/lab02-fsdp")
-
-
-def load_lab(name):
-    spec = importlib.util.spec_from_file_location(name, LABS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def scaled_down(command, checkpoint_dir, metrics):

@@ -8,12 +8,11 @@ parameter gaps of ~1e-4 (test_without_warmup_fp32_parity_fails_by_rounding shows
 that float64 removes it).
 """
 
-import importlib.util
 import shutil
 
 import pytest
 
-from launcher import LABS, PYTHON, run, run_lab
+from launcher import LABS, PYTHON, load_script, run, run_lab
 
 LAB = "lab03_tp_fsdp"
 STEPS, CHECKPOINT_EVERY = 6, 3
@@ -156,10 +155,7 @@ def test_learning_rate_warms_up_from_zero():
 
 
 def load_lab():
-    spec = importlib.util.spec_from_file_location(LAB, LABS / f"{LAB}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(LABS / f"{LAB}.py")
 
 
 def test_plan_key_guard():

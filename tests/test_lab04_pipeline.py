@@ -6,13 +6,12 @@ Launch budget: one 2-rank run per schedule (parity, timeline, bubble and memory 
 it), one 4-rank PP x DP run, two runs for resume, and plain-python runs for the config errors.
 """
 
-import importlib.util
 import sys
 
 import pytest
 import torch.distributed.pipelining as pipelining
 
-from launcher import LABS, PYTHON, run, run_lab
+from launcher import LABS, PYTHON, load_script, run, run_lab
 
 LAB = "lab04_pipeline"
 MICROBATCHES = 4
@@ -172,10 +171,7 @@ BAD_CONFIGS = {
 
 
 def load_lab():
-    spec = importlib.util.spec_from_file_location(LAB, LABS / f"{LAB}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # nothing runs at import: main() is behind __main__
-    return module
+    return load_script(LABS / f"{LAB}.py")
 
 
 @pytest.mark.parametrize("name", list(BAD_CONFIGS))
