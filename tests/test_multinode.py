@@ -155,8 +155,9 @@ def test_slurm_recipe_refuses_to_run_outside_a_job():
     assert "run this with sbatch" in proc.stderr
 
 
-def test_slurm_recipe_passes_shellcheck():
-    proc = subprocess.run(["shellcheck", "--severity=style", str(SBATCH)], capture_output=True,
+@pytest.mark.parametrize("script", [SBATCH, NETNS_DRILL], ids=lambda p: p.name)
+def test_shell_scripts_pass_shellcheck(script):
+    proc = subprocess.run(["shellcheck", "--severity=style", str(script)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
 
@@ -241,11 +242,6 @@ def test_netns_drill_refuses_bad_input():
     assert proc.returncode == 2
     assert proc.stderr.strip() == "--omit: unknown setting 'dns' (is-host, local-addr, gloo-ifname)"
 
-
-def test_netns_drill_passes_shellcheck():
-    proc = subprocess.run(["shellcheck", "--severity=style", str(NETNS_DRILL)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout
 
 
 def test_slurm_recipe_survives_a_long_node_list(tmp_path):
