@@ -76,7 +76,11 @@ def fail_config(flag, message):
 def add_common_args(parser):
     arg = parser.add_argument
     arg("--steps", type=int, default=40, help="optimizer steps in total")
-    arg("--batch-size", type=int, default=16, help="global batch, in sequences per optimizer step")
+    arg("--micro-batch-size", type=int, default=8,
+        help="sequences per data-parallel rank per micro-step; sets the default --batch-size")
+    arg("--batch-size", type=int, default=0,
+        help="global batch, in sequences per optimizer step (0: --micro-batch-size x "
+             "data-parallel ranks x --grad-accum, so the defaults work at any world size)")
     arg("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     arg("--seq-len", type=int, default=32, help="tokens per sequence")
     arg("--dim", type=int, default=64, help="model width")
@@ -84,7 +88,10 @@ def add_common_args(parser):
     arg("--num-heads", type=int, default=4, help="attention heads")
     arg("--vocab-size", type=int, default=64, help="vocabulary size")
     arg("--num-samples", type=int, default=512, help="synthetic dataset size (sequences)")
-    arg("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    arg("--lr", type=float, default=3e-3, help="AdamW learning rate (after the warmup)")
+    arg("--warmup-steps", type=int, default=5,
+        help="linear learning-rate warmup from 0 over this many steps (0: none); see "
+             "learning_rate()")
     arg("--clip", type=float, default=1.0, help="max gradient norm (0 disables clipping)")
     arg("--seed", type=int, default=0, help="seed for init, data order and RNG")
     arg("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -109,24 +116,32 @@ def add_common_args(parser):
     arg("--fail-rank", type=int, default=0, help="fault drill: which rank dies")
     arg("--crash-in-checkpoint", type=int, default=0,
         help="fault drill: die while writing the checkpoint of this step, before it is complete")
+    arg("--stall-at-step", type=int, default=0,
+        help="fault drill: --fail-rank stops responding at this step, first attempt only; the "
+             "others must fail within --timeout-s (0: never)")
 
 
-def validate_common(cfg, world_size):
-    positive = ["steps", "batch_size", "grad_accum", "seq_len", "dim", "num_layers",
+def validate_common(cfg, world_size, dp_size):
+    """Checks every lab shares. dp_size: the ranks that split the batch (world size over the
+    model-parallel degrees); it fills in the default --batch-size."""
+    positive = ["steps", "micro_batch_size", "grad_accum", "seq_len", "dim", "num_layers",
                 "num_heads", "vocab_size", "num_samples", "lr", "timeout_s", "log_every"]
     for name in positive:
         if getattr(cfg, name) <= 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
-    for name in ["clip", "num_workers", "checkpoint_every", "stop_at_step", "parity_tol",
-                 "fail_at_step", "fail_rank", "crash_in_checkpoint"]:
+    for name in ["batch_size", "clip", "num_workers", "checkpoint_every", "stop_at_step",
+                 "parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
+                 "stall_at_step", "warmup_steps"]:
         if getattr(cfg, name) < 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
         fail_config("--dim", f"{cfg.dim} must split into --num-heads {cfg.num_heads} even-sized heads")
-    per_micro_step = world_size * cfg.grad_accum
+    per_micro_step = dp_size * cfg.grad_accum
+    cfg.batch_size = cfg.batch_size or cfg.micro_batch_size * per_micro_step
     if cfg.batch_size % per_micro_step:
-        fail_config("--batch-size", f"{cfg.batch_size} must be divisible by world size x "
-                    f"--grad-accum = {world_size} x {cfg.grad_accum}")
+        fail_config("--batch-size", f"{cfg.batch_size} must be divisible by data-parallel ranks "
+                    f"x --grad-accum = {dp_size} x {cfg.grad_accum} (or leave it out: 0 means "
+                    f"--micro-batch-size x {per_micro_step})")
     if cfg.num_samples < cfg.batch_size:
         fail_config("--num-samples", f"{cfg.num_samples} is smaller than one global batch")
     if cfg.fail_rank >= world_size:
@@ -153,7 +168,7 @@ def parse_config(argv=None):
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
                         help="DDP gradient bucket size; one all-reduce per full bucket")
     cfg = parser.parse_args(argv)
-    validate_common(cfg, world_size_from_env())
+    validate_common(cfg, world_size_from_env(), dp_size=world_size_from_env())
     if cfg.bucket_cap_mb <= 0:
         fail_config("--bucket-cap-mb", f"must be > 0, got {cfg.bucket_cap_mb}")
     return cfg
@@ -461,6 +476,20 @@ def maybe_crash_mid_checkpoint(cfg, step):
         os._exit(14)
 
 
+def maybe_stall(cfg, step, rank, preemption):
+    """--stall-at-step K --fail-rank R: rank R stops responding at step K (first attempt only)
+    but stays alive, as a rank stuck in I/O or behind a dead link would. Its peers block in
+    their next collective with it, on whichever group that is, and must fail after --timeout-s.
+    A SIGTERM (torchrun stopping the job) ends the stall, so the drill never outlives the job."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and step == cfg.stall_at_step and rank == cfg.fail_rank:
+        print(f"injected stall: rank {rank} stops responding at step {step}", file=sys.stderr,
+              flush=True)
+        deadline = time.monotonic() + 10 * cfg.timeout_s
+        while time.monotonic() < deadline and not preemption.requested:
+            time.sleep(0.1)
+
+
 class PreemptionWatch:
     """SIGTERM (a scheduler preempting the job) only raises a flag; the loop finishes the
     step, and all ranks agree with one all-reduce so they checkpoint and stop together."""
@@ -477,6 +506,32 @@ class PreemptionWatch:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 # --8<-- [end:faults]
+
+
+# --8<-- [start:schedule]
+def learning_rate(cfg, step):
+    """Linear warmup from 0 over --warmup-steps (the shape of Hugging Face's
+    get_linear_schedule_with_warmup), then constant. A pure function of the step, so a resumed
+    run needs no scheduler state.
+
+    Why it matters for parity: Adam's first update is lr * g / (|g| + eps), which is close to
+    lr * sign(g) for every entry with |g| well above eps = 1e-8, however small g is next to the
+    rest of the gradient. Such an entry can be rounding noise, and any change in summation order
+    (a bucketed all-reduce over 3 ranks, TP's split matmuls) can flip its sign, moving that weight
+    about 2 * lr away from the single-process run. With lr 0 at step 1, the first real update
+    divides each entry by the RMS of two steps' gradients, and one noisy value no longer
+    decides. Early-step Adam variance is also why transformer recipes warm up (arXiv:1908.03265).
+    """
+    if cfg.warmup_steps == 0:
+        return cfg.lr
+    return cfg.lr * min(1.0, (step - 1) / cfg.warmup_steps)
+
+
+def set_learning_rate(optimizers, cfg, step):
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+# --8<-- [end:schedule]
 
 
 # The point of the lab: wrap in DDP, accumulate without syncing, checkpoint from rank 0.
@@ -589,8 +644,10 @@ def train_reference(cfg, world_size, device):
 
     batches = rank_major_micro_batches()
     accumulate_all = argparse.Namespace(**{**vars(cfg), "grad_accum": world_size * cfg.grad_accum})
-    losses = [train_step(model, optimizer, batches, accumulate_all, device, None)[0].item()
-              for _ in range(cfg.steps)]
+    losses = []
+    for step in range(1, cfg.steps + 1):
+        set_learning_rate([optimizer], cfg, step)
+        losses.append(train_step(model, optimizer, batches, accumulate_all, device, None)[0].item())
     return model, losses
 
 
@@ -620,7 +677,9 @@ def train(cfg, rank, world_size, device):
     preemption = PreemptionWatch()
     for step in range(start_step + 1, last_step + 1):
         maybe_inject_failure(cfg, step, rank)
+        maybe_stall(cfg, step, rank, preemption)
         t0 = time.perf_counter()
+        set_learning_rate([optimizer], cfg, step)
         loss, data_s = train_step(ddp_model, optimizer, batches, cfg, device, amp_dtype)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean loss over all ranks
         step_s = time.perf_counter() - t0

@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
@@ -104,7 +104,11 @@ def fail_config(flag, message):
 def add_common_args(parser):
     arg = parser.add_argument
     arg("--steps", type=int, default=40, help="optimizer steps in total")
-    arg("--batch-size", type=int, default=16, help="global batch, in sequences per optimizer step")
+    arg("--micro-batch-size", type=int, default=8,
+        help="sequences per data-parallel rank per micro-step; sets the default --batch-size")
+    arg("--batch-size", type=int, default=0,
+        help="global batch, in sequences per optimizer step (0: --micro-batch-size x "
+             "data-parallel ranks x --grad-accum, so the defaults work at any world size)")
     arg("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     arg("--seq-len", type=int, default=32, help="tokens per sequence")
     arg("--dim", type=int, default=64, help="model width")
@@ -112,7 +116,10 @@ def add_common_args(parser):
     arg("--num-heads", type=int, default=4, help="attention heads")
     arg("--vocab-size", type=int, default=64, help="vocabulary size")
     arg("--num-samples", type=int, default=512, help="synthetic dataset size (sequences)")
-    arg("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    arg("--lr", type=float, default=3e-3, help="AdamW learning rate (after the warmup)")
+    arg("--warmup-steps", type=int, default=5,
+        help="linear learning-rate warmup from 0 over this many steps (0: none); see "
+             "learning_rate()")
     arg("--clip", type=float, default=1.0, help="max gradient norm (0 disables clipping)")
     arg("--seed", type=int, default=0, help="seed for init, data order and RNG")
     arg("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -137,24 +144,32 @@ def add_common_args(parser):
     arg("--fail-rank", type=int, default=0, help="fault drill: which rank dies")
     arg("--crash-in-checkpoint", type=int, default=0,
         help="fault drill: die while writing the checkpoint of this step, before it is complete")
+    arg("--stall-at-step", type=int, default=0,
+        help="fault drill: --fail-rank stops responding at this step, first attempt only; the "
+             "others must fail within --timeout-s (0: never)")
 
 
-def validate_common(cfg, world_size):
-    positive = ["steps", "batch_size", "grad_accum", "seq_len", "dim", "num_layers",
+def validate_common(cfg, world_size, dp_size):
+    """Checks every lab shares. dp_size: the ranks that split the batch (world size over the
+    model-parallel degrees); it fills in the default --batch-size."""
+    positive = ["steps", "micro_batch_size", "grad_accum", "seq_len", "dim", "num_layers",
                 "num_heads", "vocab_size", "num_samples", "lr", "timeout_s", "log_every"]
     for name in positive:
         if getattr(cfg, name) <= 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
-    for name in ["clip", "num_workers", "checkpoint_every", "stop_at_step", "parity_tol",
-                 "fail_at_step", "fail_rank", "crash_in_checkpoint"]:
+    for name in ["batch_size", "clip", "num_workers", "checkpoint_every", "stop_at_step",
+                 "parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
+                 "stall_at_step", "warmup_steps"]:
         if getattr(cfg, name) < 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
         fail_config("--dim", f"{cfg.dim} must split into --num-heads {cfg.num_heads} even-sized heads")
-    per_micro_step = world_size * cfg.grad_accum
+    per_micro_step = dp_size * cfg.grad_accum
+    cfg.batch_size = cfg.batch_size or cfg.micro_batch_size * per_micro_step
     if cfg.batch_size % per_micro_step:
-        fail_config("--batch-size", f"{cfg.batch_size} must be divisible by world size x "
-                    f"--grad-accum = {world_size} x {cfg.grad_accum}")
+        fail_config("--batch-size", f"{cfg.batch_size} must be divisible by data-parallel ranks "
+                    f"x --grad-accum = {dp_size} x {cfg.grad_accum} (or leave it out: 0 means "
+                    f"--micro-batch-size x {per_micro_step})")
     if cfg.num_samples < cfg.batch_size:
         fail_config("--num-samples", f"{cfg.num_samples} is smaller than one global batch")
     if cfg.fail_rank >= world_size:
@@ -224,7 +239,9 @@ def schedule_class(name):
 def parse_config(argv=None):
     parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
-    parser.set_defaults(num_layers=4)  # 2 ranks x 2 stages per rank need at least 4 blocks
+    # num_layers 0: the smallest multiple of the stage count that is >= 4 (4 on 2 ranks, 6 on 3).
+    # micro_batch_size 16: each dp replica's batch, split into --microbatches.
+    parser.set_defaults(num_layers=0, micro_batch_size=16)
     arg = parser.add_argument
     arg("--schedule", choices=list(SCHEDULES), default="1F1B",
         help="pipeline schedule (the torch class name without 'Schedule')")
@@ -237,8 +254,9 @@ def parse_config(argv=None):
         help="data-parallel degree; world size = dp x pp, each stage sharded with FSDP over dp")
     cfg = parser.parse_args(argv)
     world_size = world_size_from_env()
-    validate_common(cfg, world_size)
     validate_pipeline(cfg, world_size)
+    validate_common(cfg, world_size, dp_size=cfg.dp)
+    validate_microbatches(cfg, world_size)
     return cfg
 
 
@@ -267,9 +285,16 @@ def validate_pipeline(cfg, world_size):
         fail_config("--stages-per-rank", f"{cfg.schedule} runs exactly {fixed} stage(s) per "
                     f"rank, got {cfg.stages_per_rank}")
     num_stages = pp_size * cfg.stages_per_rank
+    cfg.num_layers = cfg.num_layers or num_stages * math.ceil(4 / num_stages)
     if cfg.num_layers % num_stages:
         fail_config("--num-layers", f"{cfg.num_layers} must split evenly into pp x "
                     f"stages-per-rank = {pp_size} x {cfg.stages_per_rank} = {num_stages} stages")
+
+
+def validate_microbatches(cfg, world_size):
+    spec = SCHEDULES[cfg.schedule]
+    pp_size = world_size // cfg.dp
+    num_stages = pp_size * cfg.stages_per_rank
     if cfg.batch_size % (cfg.dp * cfg.microbatches):
         fail_config("--microbatches", f"--batch-size {cfg.batch_size} must split into --dp x "
                     f"--microbatches = {cfg.dp} x {cfg.microbatches} equal microbatches")
@@ -357,6 +382,28 @@ def teardown_distributed():
     if dist.is_initialized():
         dist.destroy_process_group()
 # --8<-- [end:setup]
+
+
+# --8<-- [start:mesh]
+def init_mesh(device_type, mesh_shape, mesh_dim_names, timeout):
+    """init_device_mesh, with init_process_group's timeout on every axis.
+
+    In torch 2.13 init_device_mesh creates each axis smaller than the world with
+    new_group(timeout=None), and that means the backend default (30 min on gloo, 10 on NCCL),
+    not the timeout of the default group: a rank stuck in an FSDP, TP or pipeline collective
+    would hold the job for that long. So each axis's groups are built here with the timeout,
+    then wrapped in a DeviceMesh. Rank r sits at the position of r in
+    arange(world).view(mesh_shape), as init_device_mesh would place it."""
+    ranks = torch.arange(math.prod(mesh_shape)).view(mesh_shape)
+    groups = []
+    for dim, name in enumerate(mesh_dim_names):
+        # One row per group along this axis: the ranks that differ only in coordinate `dim`.
+        rows = ranks.movedim(dim, -1).reshape(-1, mesh_shape[dim]).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout,
+                                                     group_desc=f"mesh_{name}")
+        groups.append(group)
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=mesh_dim_names)
+# --8<-- [end:mesh]
 
 
 # --8<-- [start:model]
@@ -581,6 +628,20 @@ def maybe_crash_mid_checkpoint(cfg, step):
         os._exit(14)
 
 
+def maybe_stall(cfg, step, rank, preemption):
+    """--stall-at-step K --fail-rank R: rank R stops responding at step K (first attempt only)
+    but stays alive, as a rank stuck in I/O or behind a dead link would. Its peers block in
+    their next collective with it, on whichever group that is, and must fail after --timeout-s.
+    A SIGTERM (torchrun stopping the job) ends the stall, so the drill never outlives the job."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and step == cfg.stall_at_step and rank == cfg.fail_rank:
+        print(f"injected stall: rank {rank} stops responding at step {step}", file=sys.stderr,
+              flush=True)
+        deadline = time.monotonic() + 10 * cfg.timeout_s
+        while time.monotonic() < deadline and not preemption.requested:
+            time.sleep(0.1)
+
+
 class PreemptionWatch:
     """SIGTERM (a scheduler preempting the job) only raises a flag; the loop finishes the
     step, and all ranks agree with one all-reduce so they checkpoint and stop together."""
@@ -597,6 +658,32 @@ class PreemptionWatch:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 # --8<-- [end:faults]
+
+
+# --8<-- [start:schedule]
+def learning_rate(cfg, step):
+    """Linear warmup from 0 over --warmup-steps (the shape of Hugging Face's
+    get_linear_schedule_with_warmup), then constant. A pure function of the step, so a resumed
+    run needs no scheduler state.
+
+    Why it matters for parity: Adam's first update is lr * g / (|g| + eps), which is close to
+    lr * sign(g) for every entry with |g| well above eps = 1e-8, however small g is next to the
+    rest of the gradient. Such an entry can be rounding noise, and any change in summation order
+    (a bucketed all-reduce over 3 ranks, TP's split matmuls) can flip its sign, moving that weight
+    about 2 * lr away from the single-process run. With lr 0 at step 1, the first real update
+    divides each entry by the RMS of two steps' gradients, and one noisy value no longer
+    decides. Early-step Adam variance is also why transformer recipes warm up (arXiv:1908.03265).
+    """
+    if cfg.warmup_steps == 0:
+        return cfg.lr
+    return cfg.lr * min(1.0, (step - 1) / cfg.warmup_steps)
+
+
+def set_learning_rate(optimizers, cfg, step):
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+# --8<-- [end:schedule]
 
 
 
@@ -762,7 +849,8 @@ def build_pipeline(cfg, device, timeline):
     pp_size = world_size // cfg.dp
     # Rank = dp_rank * pp + pp_rank: a pipeline's stages sit on neighbouring ranks, which
     # puts the frequent point-to-point traffic inside a node on a multi-node job.
-    mesh = init_device_mesh(device.type, (cfg.dp, pp_size), mesh_dim_names=("dp", "pp"))
+    mesh = init_mesh(device.type, (cfg.dp, pp_size), ("dp", "pp"),
+                     datetime.timedelta(seconds=cfg.timeout_s))
     pp_rank = mesh.get_local_rank("pp")
     num_stages = pp_size * cfg.stages_per_rank
     stage_ids = stage_ids_for_rank(pp_rank, pp_size, cfg)
@@ -871,6 +959,7 @@ def train_reference(cfg, num_steps, order):
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         if cfg.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        set_learning_rate([optimizer], cfg, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
@@ -1085,6 +1174,8 @@ def train(cfg, rank, device):
     preemption = PreemptionWatch()
     for step in range(start_step + 1, last_step + 1):
         maybe_inject_failure(cfg, step, rank)
+        maybe_stall(cfg, step, rank, preemption)
+        set_learning_rate(optimizers, cfg, step)
         timeline.start_step()
         t0 = time.perf_counter()
         batch = next(batches)

@@ -8,7 +8,8 @@ import pytest
 
 LABS = Path(__file__).resolve().parents[1] / "labs"
 REGION = re.compile(r"^# --8<-- \[start:(\w+)\]\n(.*?)^# --8<-- \[end:\1\]\n", re.S | re.M)
-REQUIRED = {"cli", "setup", "model", "data", "metrics", "faults", "main"}
+REQUIRED = {"cli", "setup", "model", "data", "metrics", "faults", "schedule", "main"}
+MESH_LABS = {"lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline"}  # the labs that build a mesh
 
 
 def regions(path):
@@ -16,10 +17,14 @@ def regions(path):
 
 
 def region_mismatches(lab_paths):
-    """(region, lab) pairs whose copy differs from the first lab's."""
-    reference = regions(lab_paths[0])
-    return [(name, lab.name) for lab in lab_paths[1:]
-            for name, body in regions(lab).items() if name in reference and body != reference[name]]
+    """(region, lab) pairs whose copy differs from the first copy of that region (in lab order:
+    a region that only some labs need, like the mesh, is compared among those)."""
+    first, mismatches = {}, []
+    for lab in lab_paths:
+        for name, body in regions(lab).items():
+            if first.setdefault(name, body) != body:
+                mismatches.append((name, lab.name))
+    return mismatches
 
 
 def lab_paths():
@@ -33,6 +38,21 @@ def test_every_lab_has_every_shared_region(lab):
 
 def test_shared_regions_are_identical_in_every_lab():
     assert region_mismatches(lab_paths()) == []
+
+
+@pytest.mark.parametrize("lab", lab_paths(), ids=lambda p: p.stem)
+def test_every_lab_with_a_mesh_builds_it_in_the_shared_region(lab):
+    """init_device_mesh's sub-groups ignore --timeout-s (torch 2.13); init_mesh() does not."""
+    source = lab.read_text()
+    assert ("mesh" in regions(lab)) == (lab.stem in MESH_LABS)
+    assert "init_device_mesh(" not in source
+
+
+def test_the_check_catches_a_drifted_mesh_region(tmp_path):
+    labs = [LABS / f"{name}.py" for name in sorted(MESH_LABS)]
+    drifted = tmp_path / "lab99_drift.py"
+    drifted.write_text(labs[0].read_text().replace("group_desc=f\"mesh_{name}\"", "group_desc=name"))
+    assert region_mismatches([*labs, drifted]) == [("mesh", "lab99_drift.py")]
 
 
 def test_the_check_catches_a_drifted_copy(tmp_path):
