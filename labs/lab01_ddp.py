@@ -137,7 +137,13 @@ def validate_common(cfg, world_size, dp_size):
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
         fail_config("--dim", f"{cfg.dim} must split into --num-heads {cfg.num_heads} even-sized heads")
     per_micro_step = dp_size * cfg.grad_accum
-    cfg.batch_size = cfg.batch_size or cfg.micro_batch_size * per_micro_step
+    trained_with = checkpointed_batch_size(cfg.checkpoint_dir)
+    if trained_with and cfg.batch_size and cfg.batch_size != trained_with:
+        fail_config("--batch-size", f"{cfg.batch_size}, but the checkpoints in "
+                    f"{cfg.checkpoint_dir} were trained with {trained_with}: leave it out to "
+                    f"continue with {trained_with}, or start a new --checkpoint-dir")
+    # A resume keeps the global batch it was trained with, whatever the world size is now.
+    cfg.batch_size = cfg.batch_size or trained_with or cfg.micro_batch_size * per_micro_step
     if cfg.batch_size % per_micro_step:
         fail_config("--batch-size", f"{cfg.batch_size} must be divisible by data-parallel ranks "
                     f"x --grad-accum = {dp_size} x {cfg.grad_accum} (or leave it out: 0 means "
@@ -159,6 +165,19 @@ def validate_common(cfg, world_size, dp_size):
                     f"{torch.cuda.device_count()} GPUs visible; use --device cpu")
     if cfg.check_parity and resolve_amp(cfg, pick_device_type(cfg)) != "off":
         fail_config("--check-parity", "needs fp32 (--amp off): bf16 rounding is far above 1e-5")
+
+
+def checkpointed_batch_size(directory):
+    """The global batch of the run whose checkpoints are in `directory`, or None."""
+    record = Path(directory) / "run.json" if directory else None
+    if record and record.exists() and latest_checkpoint(directory):
+        return json.loads(record.read_text())["batch_size"]
+    return None
+
+
+def record_batch_size(cfg):
+    """Rank 0, with every checkpoint: what a resume at another world size must keep."""
+    write_json_atomic(Path(cfg.checkpoint_dir) / "run.json", {"batch_size": cfg.batch_size})
 # --8<-- [end:cli]
 
 
@@ -577,6 +596,7 @@ def save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size):
             f.flush()
             os.fsync(f.fileno())
         maybe_crash_mid_checkpoint(cfg, step)
+        record_batch_size(cfg)
         os.replace(tmp, final)  # atomic: a reader sees the old set of files or the new one
         for old in sorted(final.parent.glob("step_*.pt"))[:-2]:
             old.unlink()

@@ -355,7 +355,9 @@ assert (major, minor) >= (2, 6)
 # - Out of memory, or memory above the estimate: [OOM: distributed causes](../runbooks/oom-distributed-causes.md)
 #   and [OOM: mitigations](../runbooks/oom-mitigations.md).
 # - A rank hangs in an all-gather or reduce-scatter: every wait in the lab is bounded by
-#   `--timeout-s` (default 120 s, passed to `init_process_group`), so a stuck collective
-#   becomes an error on every rank instead of a silent hang.
+#   `--timeout-s` (default 120 s), passed to `init_process_group` and to every mesh axis
+#   (`init_mesh()`: `init_device_mesh`'s sub-groups would wait 30 min on gloo, 10 on NCCL), so
+#   a stuck collective becomes an error instead of a silent hang
+#   ([collective timeout, cause D](../runbooks/collective-timeout.md)).
 # - A resume picks the wrong checkpoint: only `step_*` directories holding DCP's `.metadata`
 #   count (`lab.latest_checkpoint`); a `.tmp` directory is a save that never finished.

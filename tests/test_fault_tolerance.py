@@ -61,7 +61,7 @@ def test_crash_mid_checkpoint_never_corrupts_the_last_good_one(tmp_path, uninter
     assert crashed.returncode != 0
     assert "injected crash while writing the checkpoint of step 8" in crashed.stderr
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["step_00000004.pt", "step_00000008.pt.tmp"]  # half-written is not a .pt
+    assert names == ["run.json", "step_00000004.pt", "step_00000008.pt.tmp"]  # half-written is not a .pt
     resumed, _ = run_lab(LAB, 2, [*ARGS, "--checkpoint-dir", tmp_path, "--checkpoint-every", "4"])
     assert "at step 4" in resumed.stdout
     step, model = final_model(tmp_path)

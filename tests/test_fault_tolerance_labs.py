@@ -102,7 +102,7 @@ def test_crash_mid_checkpoint_resumes_from_the_previous_one(uninterrupted, tmp_p
     assert crashed.returncode != 0
     assert "injected crash while writing the checkpoint of step 6" in crashed.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == [
-        "step_00000002", "step_00000004", "step_00000006.tmp"]
+        "run.json", "step_00000002", "step_00000004", "step_00000006.tmp"]
     resumed, _ = run_lab(lab, 2, common, timeout=300)
     assert "at step 4" in resumed.stdout, resumed.stdout
     step, state = consolidated(checkpoints, tmp_path)

@@ -176,14 +176,15 @@ def test_resume_at_another_world_size_continues_the_run(resumed, fsdp4):
     crashed, second = resumed["crashed"], resumed["second"]
     assert crashed.returncode != 0
     assert "injected crash while writing the checkpoint of step 6" in crashed.stderr
-    assert resumed["left_behind"] == ["step_00000003", "step_00000006.tmp"]
-    assert "step_00000003 at step 3 (48 samples seen)" in second["proc"].stdout
+    assert resumed["left_behind"] == ["run.json", "step_00000003", "step_00000006.tmp"]
+    # The resume at 2 ranks keeps the global batch of the run at 4 (run.json), not 8 x 2.
+    assert "step_00000003 at step 3 (96 samples seen)" in second["proc"].stdout
     uninterrupted = dict(map(tuple, fsdp4["metrics"]["losses"]))
     after = dict(map(tuple, second["metrics"]["losses"]))
     assert sorted(after) == list(range(4, STEPS + 1))
     assert max(abs(after[s] - uninterrupted[s]) for s in after) <= 1e-6
     names = sorted(p.name for p in resumed["ckpt"].iterdir())
-    assert names == ["step_00000009", "step_00000010", f"step_{STEPS:08d}"]  # 2 kept + junk
+    assert names == ["run.json", "step_00000009", "step_00000010", f"step_{STEPS:08d}"]
     assert lab.latest_checkpoint(resumed["ckpt"]).name == f"step_{STEPS:08d}"
 
 

@@ -117,7 +117,8 @@ def test_resume_on_another_mesh(mesh, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"resume-dp{dp}-tp{tp}")
     shutil.copytree(saver_tmp / "ckpt", tmp / "ckpt")
     shutil.rmtree(tmp / "ckpt" / f"step_{STEPS:08d}")  # keep step 3 only
-    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == [f"step_{CHECKPOINT_EVERY:08d}"]
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["run.json",
+                                                          f"step_{CHECKPOINT_EVERY:08d}"]
     proc, metrics = run_lab(LAB, dp * tp, ["--tp", tp, "--steps", STEPS, "--resume",
                                            "--checkpoint-dir", tmp / "ckpt", "--check-parity"],
                             tmp, timeout=300)

@@ -137,7 +137,7 @@ def test_resume_continues_identically(runs, tmp_path):
     args = ["--schedule", "1F1B", "--microbatches", MICROBATCHES, "--steps", STEPS,
             "--checkpoint-dir", ckpt]
     run_lab(LAB, 2, [*args, "--stop-at-step", 3], tmp_path, timeout=300)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000003"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["run.json", "step_00000003"]
     assert (ckpt / "step_00000003" / ".metadata").exists()
     # Neither a half-written directory nor one without DCP's .metadata may be resumed from.
     (ckpt / "step_00000004.tmp").mkdir()

@@ -272,11 +272,62 @@ def test_torchrun_defaults_are_what_the_pages_say():
     assert defaults["rdzv_backend"] == "static"
     assert defaults["rdzv_id"] == "none"
     assert defaults["max_restarts"] == 0
-    source = inspect.getsource(run.config_from_args)
-    assert "master_addr is only used for static rdzv_backend" in source
-    assert "node_rank is only used for static rdzv_backend" in source
     text = squash(WRONG_ADVICE.read_text())
     assert "the default is `static`" in text and 'The default is `"none"`' in text
+
+
+def torchrun_static_only_warnings(argv):
+    """The "only used for static rdzv_backend" warnings torchrun's config_from_args logs."""
+    import logging
+
+    from torch.distributed import run
+
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Collect()
+    logger = logging.getLogger("torch.distributed.run")
+    logger.addHandler(handler)
+    try:
+        run.config_from_args(run.get_args_parser().parse_args([*argv, "train.py"]))
+    finally:
+        logger.removeHandler(handler)
+    return [m.split(" is only used")[0] for m in messages if "only used for static" in m]
+
+
+def test_torchrun_warns_about_master_addr_and_node_rank_only_when_the_page_says():
+    """#24 / #98: under c10d, master_addr warns only without --rdzv-endpoint, node_rank only
+    when it is not 0; the page states exactly these conditions."""
+    c10d = ["--rdzv-backend", "c10d"]
+    assert torchrun_static_only_warnings(
+        [*c10d, "--rdzv-endpoint", "head:29400", "--master-addr", "10.0.0.1"]) == []
+    assert torchrun_static_only_warnings([*c10d, "--master-addr", "10.0.0.1"]) == ["master_addr"]
+    assert torchrun_static_only_warnings(
+        [*c10d, "--rdzv-endpoint", "head:29400", "--node-rank", "1"]) == ["node_rank"]
+    assert torchrun_static_only_warnings(["--nnodes", "2", "--node-rank", "1"]) == []  # static
+    text = squash(WRONG_ADVICE.read_text())
+    assert "only when no `--rdzv-endpoint` is given" in text
+    assert "only when `--node-rank` is not 0" in text
+
+
+def test_c10d_rendezvous_ranks_nodes_by_sorted_descriptor_not_join_order():
+    """#92: node ranks come from sorted(participants); _NodeDesc orders by (addr, pid, id)."""
+    import dataclasses
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    assert [f.name for f in dataclasses.fields(dr._NodeDesc)] == ["addr", "pid", "local_id"]
+    assert dr._NodeDesc.__dataclass_params__.order
+    assert "enumerate(sorted(state.participants))" in inspect.getsource(dr)
+    later_joiner, first_joiner = dr._NodeDesc("10.0.0.1", 900, 0), dr._NodeDesc("10.0.0.2", 5, 0)
+    assert sorted([first_joiner, later_joiner])[0] == later_joiner  # address decides, not arrival
+    for page in (WRONG_ADVICE, REPO / "docs" / "reference" / "launching.md"):
+        text = squash(page.read_text())
+        assert "sorting the agents' descriptors" in text and "in the order they join" not in text
+        assert "in the order the agents join" not in text
 
 
 def test_init_process_group_documents_the_nccl_default():

@@ -103,6 +103,65 @@ def test_lab_page_includes_the_real_source(site):
     assert "What changed since" in lab02 and "fully_shard" in lab02
 
 
+def numbered_items(markdown):
+    """Top-level "N. " lines outside code fences: what the page's ordered lists should hold."""
+    count, in_fence = 0, False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_fence = not in_fence
+        elif not in_fence and line[:1].isdigit() and line.split(" ", 1)[0].rstrip(".").isdigit() \
+                and line.split(" ", 1)[0].endswith("."):
+            count += 1
+    return count
+
+
+class TopLevelListItems(html.parser.HTMLParser):
+    """Counts <li> directly inside an <ol> that is not itself inside a list item."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.count = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("ol", "ul", "li"):
+            if tag == "li" and self.stack[-1:] == ["ol"] and "li" not in self.stack:
+                self.count += 1
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in ("ol", "ul", "li") and tag in self.stack:
+            while self.stack.pop() != tag:
+                pass
+
+
+def rendered_numbered_items(html_text):
+    parser = TopLevelListItems()
+    parser.feed(html_text)
+    return parser.count
+
+
+def test_numbered_lists_render_as_one_list_item_per_number(site):
+    """Python-Markdown needs 4 spaces to keep a code block inside a list item: with 3, the list
+    breaks there and the items after it run into one paragraph (it happened to Quick triage)."""
+    broken = []
+    for source in sorted((REPO / "runbooks").glob("*.md")):
+        built = site / "runbooks" / source.with_suffix(".html").name
+        expected = numbered_items(source.read_text())
+        got = rendered_numbered_items(built.read_text())
+        if got != expected:
+            broken.append(f"{source.name}: {expected} numbered lines, {got} list items")
+    assert broken == []
+
+
+def test_list_check_catches_a_list_broken_by_a_code_block():
+    markdown = "1. one\n\n   ```\n   code\n   ```\n\n2. two\n3. three\n"
+    assert numbered_items(markdown) == 3
+    broken_html = "<ol><li>one</li></ol><pre>code</pre><p>2. two 3. three</p>"
+    assert rendered_numbered_items(broken_html) == 1
+    nested = "<ol><li>a<ol><li>x</li></ol></li><li>b</li></ol>"
+    assert rendered_numbered_items(nested) == 2
+
+
 def test_lesson_page_shows_executed_outputs(site):
     page = (site / "lessons" / "01_ddp.html").read_text()
     assert "data:image/png;base64" in page  # the loss-curve plot
