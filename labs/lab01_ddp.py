@@ -13,8 +13,9 @@ Launch (the same file everywhere; the backend follows the hardware):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint $HEAD_NODE:29400 --rdzv-id $JOB_ID labs/lab01_ddp.py
 
-Minimum world size: 1. Expected last line (numbers vary slightly with hardware):
-    done | lab01_ddp | gloo x2 | 40 steps | loss 0.6... | parity 1.2e-07 | ...
+Minimum world size: 1. Expected last line of the --check-parity run at 2 ranks (numbers vary
+slightly with hardware):
+    done | lab01_ddp | gloo x2 | 40 steps | loss 0.46... | parity 0.0e+00 | ...
 Lesson: lessons/01_ddp.py. Runbooks: runbooks/ (OOM, NCCL hangs, DataLoader stalls).
 
 Use it in your project:
@@ -232,7 +233,8 @@ def init_distributed(cfg):
     world_size = int(os.environ["WORLD_SIZE"])
     store = attempt_store(rank, world_size, timeout)
     if device_type == "cuda":
-        # set_device first: otherwise every rank's NCCL communicator lands on cuda:0.
+        # set_device first: device_id= binds the communicator to this GPU anyway, but every
+        # tensor made on plain "cuda" (ours, or a library's) would land on cuda:0.
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
@@ -448,6 +450,14 @@ def peak_memory_bytes(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def seconds_since(t0, device):
+    """Wall time since t0 once the device has finished its queued work: CUDA kernels run
+    asynchronously, so without the synchronize a step time measures the CPU's dispatch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def log_line(step, loss, step_s, tokens_per_s, data_share, mem_bytes):
@@ -702,7 +712,7 @@ def train(cfg, rank, world_size, device):
         set_learning_rate([optimizer], cfg, step)
         loss, data_s = train_step(ddp_model, optimizer, batches, cfg, device, amp_dtype)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean loss over all ranks
-        step_s = time.perf_counter() - t0
+        step_s = seconds_since(t0, device)
         losses.append([step, loss.item()])
         step_times.append(step_s)
         data_times.append(data_s)

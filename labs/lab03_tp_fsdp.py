@@ -8,10 +8,11 @@ over "dp", whose ranks exchange only FSDP's all-gathers and reduce-scatters: tha
 cross nodes. --sequence-parallel also shards the norms and residual stream on the sequence dim;
 --loss-parallel computes the loss on vocab-sharded logits. `--check-parity` retrains the same
 global batches in one process and compares every parameter in fp32 (max |diff| <= 1e-5; about
-3e-7 here). That needs the learning-rate warmup: TP reorders floating-point sums, and AdamW's
-first step moves every weight by about lr * sign(grad), so a near-zero gradient whose sign is
-rounding noise ends 1.5e-4 away (`--warmup-steps 0` shows it; `--parity-dtype float64` shows
-it is rounding, not a bug). `--count-comms` counts one step's collectives by type with
+3e-7 here). That needs the learning-rate warmup (`learning_rate()`): TP reorders
+floating-point sums, and AdamW's first step is lr * g / (|g| + eps), about lr * sign(g) for
+any entry well above eps = 1e-8, so a tiny gradient whose sign is rounding noise ends up to
+2 x lr away (1.5e-4 measured with `--warmup-steps 0`; `--parity-dtype float64` shows it is
+rounding, not a bug). `--count-comms` counts one step's collectives by type with
 CommDebugMode, and the activation bytes saved for backward.
 
 Launch (the same file everywhere; the backend follows the hardware):
@@ -24,9 +25,9 @@ Launch (the same file everywhere; the backend follows the hardware):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint $HEAD_NODE:29400 --rdzv-id $JOB_ID labs/lab03_tp_fsdp.py --tp 8
 
-Minimum world size: 2 with the default --tp 2 (plain `python` says so and exits 2); 1 with
---tp 1. Expected last line (numbers vary slightly with hardware):
-    done | lab03_tp_fsdp | gloo x2 | 40 steps | loss 0.46.. | parity 3.6e-07 | ...
+Minimum world size: 1 (--tp defaults to 2 on an even world size, else 1). Expected last line
+of the first command (numbers vary slightly with hardware):
+    done | lab03_tp_fsdp | gloo x2 | 40 steps | loss 0.46... | parity 3.6e-07 | ...
 Lesson: lessons/03_tp_fsdp.py. Runbooks: runbooks/ (OOM, NCCL hangs).
 
 Use it in your project:
@@ -207,6 +208,7 @@ def record_batch_size(cfg):
 def parse_config(argv=None):
     parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
+    parser.set_defaults(micro_batch_size=16)  # per TP group: the 2 ranks of a tp=2 group share it
     arg = parser.add_argument
     arg("--tp", type=int, default=0,
         help="tensor-parallel degree: ranks per TP group (keep it inside a node); dp = world / "
@@ -289,7 +291,8 @@ def init_distributed(cfg):
     world_size = int(os.environ["WORLD_SIZE"])
     store = attempt_store(rank, world_size, timeout)
     if device_type == "cuda":
-        # set_device first: otherwise every rank's NCCL communicator lands on cuda:0.
+        # set_device first: device_id= binds the communicator to this GPU anyway, but every
+        # tensor made on plain "cuda" (ours, or a library's) would land on cuda:0.
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
@@ -527,6 +530,14 @@ def peak_memory_bytes(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def seconds_since(t0, device):
+    """Wall time since t0 once the device has finished its queued work: CUDA kernels run
+    asynchronously, so without the synchronize a step time measures the CPU's dispatch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def log_line(step, loss, step_s, tokens_per_s, data_share, mem_bytes):
@@ -1016,7 +1027,7 @@ def train(cfg, rank, world_size, device):
             loss, data_s = train_step(model, optimizer, batches, cfg, device, cfg.loss_parallel,
                                       step)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # mean over dp (tp ranks agree already)
-        step_s = time.perf_counter() - t0
+        step_s = seconds_since(t0, device)
         losses.append([step, loss.item()])
         step_times.append(step_s)
         data_times.append(data_s)

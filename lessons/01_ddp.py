@@ -131,6 +131,12 @@ print(inspect.getsource(lab.train_step))
 # reaches the cap, and a parameter is never split, so every bucket but the last holds at least
 # `bucket_cap_mb`, and at most the cap plus one parameter.
 #
+# One exception, when `bucket_cap_mb` is left at its default (`None`, meaning 25 MiB): the first
+# bucket, the one whose all-reduce starts first in backward, is capped at
+# `dist._DEFAULT_FIRST_BUCKET_BYTES` = 1 MiB, so communication starts early. Passing
+# `bucket_cap_mb=25` explicitly gives every bucket 25 MiB. The lab passes `--bucket-cap-mb`
+# (default 25) explicitly, so the counts below follow the plain rule.
+#
 # The worker registers a communication hook (the stock all-reduce, plus a counter) and trains
 # with 4 micro-steps per optimizer step.
 
@@ -147,6 +153,22 @@ for cap_mb in (0.05, 0.25, 25.0):
           f"{result['ms_per_step']:.0f} ms/step")
     assert per_backward <= math.ceil(grad_bytes / cap_bytes)
     assert per_backward >= math.floor(grad_bytes / (cap_bytes + largest_param_bytes))
+
+# %% [markdown]
+# The exception, measured: the lab model at width 256 (8.5 MB of fp32 gradients), one backward
+# after DDP has rebuilt its buckets, with DDP's default cap and with `bucket_cap_mb=25` given.
+
+# %%
+caps = run_workers(ddp_workers.bucket_sizes_default_vs_explicit_cap, 2)[0]
+for label, sizes in caps["sizes"].items():
+    print(f"bucket_cap_mb {label:<11}: all-reduces of {', '.join(f'{b:,}' for b in sizes)} bytes")
+first_cap = caps["first_bucket_cap"]
+assert first_cap == 2**20
+default, explicit = caps["sizes"]["default"], caps["sizes"]["explicit 25"]
+assert len(default) == 2 and len(explicit) == 1 and sum(default) == sum(explicit)
+# The first bucket closes as soon as it reaches 1 MiB: at most one parameter more than that.
+largest_param_256 = 256 * 4 * 256 * 4  # w1 or w3 at width 256: 1 MiB of fp32
+assert first_cap <= default[0] < first_cap + largest_param_256
 
 # %% [markdown]
 # Now the same 4 micro-steps with `no_sync()` on the first three: gradients accumulate locally

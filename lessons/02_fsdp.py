@@ -87,10 +87,27 @@ for item in est.LEFT_OUT:
     print("-", item)
 
 # %% [markdown]
-# The biggest of these under FSDP is the *transient unsharded unit*: a block must be whole
-# while it computes. One Llama-2-70B block (dim 8192, MLP hidden 28672, 8 KV heads of 128)
-# holds about 0.86B parameters, so 1.6 GiB in bf16, and about twice that while the next block
-# is prefetched:
+# The biggest by far is the first: **activations**. FSDP shards the state, not the work, so
+# every rank still keeps its own micro-batch's activations for backward. Lesson 03 counts them
+# with Korthikanti et al.'s formula (arXiv:2205.05198, Table 2): per layer s b h (34 + 5 a s / h)
+# bytes with 16-bit activations and no recomputation. For Llama-2-70B (80 layers, h = 8192,
+# a = 64) at sequence 4096 and micro-batch 1:
+
+# %%
+s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
+activations_70b = num_layers * s * b * h * (34 + 5 * a * s / h)
+print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
+      f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
+assert 480 < activations_70b / 2**30 < 490  # ~485 GiB: 28x the state the table counts
+assert activations_70b > 25 * e70.total_bytes
+
+# %% [markdown]
+# That is why 70B training also needs activation checkpointing (recompute instead of store),
+# tensor or sequence parallelism (lesson 03) or pipeline stages (lesson 04).
+#
+# The next term is the *transient unsharded unit*: a block must be whole while it computes.
+# One Llama-2-70B block (dim 8192, MLP hidden 28672, 8 KV heads of 128) holds about 0.86B
+# parameters, so 1.6 GiB in bf16, and about twice that while the next block is prefetched:
 
 # %%
 dim, hidden, kv_dim = 8192, 28672, 8 * 128
@@ -150,7 +167,7 @@ print(inspect.getsource(lab.build_fsdp_model))
 # %%
 measured = {n: run_workers(fsdp_workers.measure_strategies, n, ("ddp", "zero3"), timeout_s=240)
             for n in (1, 2)}
-measured[4] = run_workers(fsdp_workers.measure_strategies, 4, timeout_s=240)  # + zero1, zero2, hsdp
+measured[4] = run_workers(fsdp_workers.measure_strategies, 4, timeout_s=240)  # + zero1, fsdp_no_reshard, hsdp
 shapes = measured[1][0]["param_shapes"]
 num_params = sum(torch.Size(s).numel() for s in shapes)
 
@@ -203,11 +220,17 @@ plt.show()
 # %% [markdown]
 # ### ZeRO stages side by side (world size 4)
 #
-# PyTorch has a native tool for each stage: `ZeroRedundancyOptimizer` (stage 1: optimizer
-# state sharded), `fully_shard(..., reshard_after_forward=False)` (stage-2-like: between steps
-# everything is sharded, but each block's gathered parameters stay from forward until its
-# backward, so the peak holds full parameters), and `fully_shard` (stage 3). The last column is
-# the bytes of full-size parameters alive between forward and backward:
+# PyTorch has a native tool for stages 1 and 3: `ZeroRedundancyOptimizer` (stage 1: optimizer
+# state sharded) and `fully_shard` (stage 3). Two different things get called "ZeRO-2", so
+# this page names them apart:
+#
+# - **`zero2`** in the estimator is the classic ZeRO-2 (DeepSpeed's stage 2): gradients and
+#   optimizer state sharded, a full copy of the parameters on every rank at all times.
+# - **`fsdp_no_reshard`**, measured here, is `fully_shard(..., reshard_after_forward=False)`:
+#   between steps everything is sharded like stage 3, but each block's gathered parameters stay
+#   from its forward until its backward, so the peak during the step holds full parameters.
+#
+# The last column is the bytes of full-size parameters alive between forward and backward:
 
 # %%
 ws4 = measured[4]
@@ -219,14 +242,16 @@ for name in fsdp_workers.STRATEGY_ARGS:
 full_bytes = 4 * num_params
 assert ws4[0]["zero1"]["params"] == full_bytes and ws4[0]["zero1"]["grads"] == full_bytes
 assert max(x["zero1"]["optimizer"] for x in ws4) < 0.3 * ws4[0]["ddp"]["optimizer"]
-assert ws4[0]["zero2"]["params"] == ws4[0]["zero3"]["params"] == full_bytes // 4
-assert ws4[0]["zero2"]["unsharded_after_forward"] == full_bytes
+assert ws4[0]["fsdp_no_reshard"]["params"] == ws4[0]["zero3"]["params"] == full_bytes // 4
+assert ws4[0]["fsdp_no_reshard"]["unsharded_after_forward"] == full_bytes
+# The estimator's "zero2" is the classic ZeRO-2: full parameters on every rank, all the time.
+assert est.estimate_per_rank(None, 4, "zero2", shapes=shapes).params_bytes == full_bytes
 assert ws4[0]["zero3"]["unsharded_after_forward"] < 0.1 * full_bytes   # only the root's params
 print("HSDP layout of layers.0.attention.wq.weight:", ws4[0]["hsdp"]["layout"])
 
 # %% [markdown]
 # ZeRO-1 splits whole tensors between ranks (greedily, by size), so its shares are uneven; the
-# estimator's even split is the ideal. ZeRO-2-like and ZeRO-3 hold the same state between
+# estimator's even split is the ideal. `fsdp_no_reshard` and ZeRO-3 hold the same state between
 # steps; they differ in what is alive during the step. Under stage 3 only the root's
 # parameters (embeddings, final norm, output: `fully_shard` keeps the root gathered because
 # backward starts with it) stay gathered after forward.

@@ -265,11 +265,32 @@ assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
 # Parity holds on every mesh, in fp32, within 1e-5. That is not automatic. TP changes the
 # *order* of floating-point sums (a row-parallel matmul adds two half-sums), so fp32 results
 # differ in the last bits. Most of the time that stays at 1e-7. But AdamW's first step is
-# `lr * g / (|g| + eps)`: about `lr * sign(g)` for **every** weight, however small its gradient.
-# A gradient entry of 1e-8 is pure rounding, TP can flip its sign, and that weight then ends
-# a whole step away from the single-process run. The lab warms the learning rate up from 0
-# (`--warmup-steps 5`, as most transformer recipes do), so step 1 only fills AdamW's moment
-# estimates; from step 2 each gradient is divided by its size over several steps.
+# `lr * g / (|g| + eps)` with eps = 1e-8. For any entry well above eps that is about
+# `lr * sign(g)`, a full step of 3e-3 whatever the size of g; only below eps does the step
+# shrink in proportion. One AdamW step on one weight, measured:
+
+# %%
+def first_adamw_step(grad, lr=3e-3):
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.AdamW([weight], lr=lr, weight_decay=0.0)
+    weight.grad = torch.tensor([grad])
+    optimizer.step()
+    return abs(weight.item())
+
+
+for grad in (1e-2, 1e-6, 1e-7, 1e-8, 1e-12):
+    print(f"g = {grad:.0e}: first step moves the weight by {first_adamw_step(grad):.1e}")
+assert abs(first_adamw_step(1e-2) - 3e-3) < 1e-7 and first_adamw_step(1e-6) > 2.9e-3
+assert abs(first_adamw_step(1e-8) - 1.5e-3) < 1e-5      # g = eps: half a step
+assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # far below eps: proportional to g
+
+# %% [markdown]
+# So an entry of 1e-7, which in a sum of many terms can be rounding noise, moves its weight by
+# nearly a full step, and a different summation order (TP's half-sums, a 3-rank all-reduce)
+# can flip its sign: the weight ends up to 2 x 3e-3 away from the single-process run. The labs
+# warm the learning rate up from 0 (`--warmup-steps 5`, as most transformer recipes do), so
+# step 1 only fills AdamW's moment estimates; from step 2 each entry is divided by the RMS of
+# its gradients over several steps, and one noisy value no longer decides.
 #
 # Three runs of 3 steps on mesh (1, 2) show it, and show that it is rounding, not a bug:
 
@@ -415,8 +436,9 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all 
 #   `fully_shard` per block and the root on `mesh["dp"]`. Guard plan keys: a typo only warns.
 # - DCP checkpoints are sharded and carry global offsets: the lab's tests resume a (2, 2)
 #   checkpoint on (4, 1) and (1, 2).
-# - TP is exact math but not bitwise. AdamW's first step moves every weight by about
-#   `lr * sign(grad)`, so warm the learning rate up from 0; then fp32 parity holds to ~1e-7.
+# - TP is exact math but not bitwise. AdamW's first step moves every weight whose gradient is
+#   well above eps by about `lr * sign(grad)`, so warm the learning rate up from 0; then fp32
+#   parity holds to ~1e-7.
 #   `--parity-dtype float64` tells a bug from rounding.
 #
 # ## Exercises

@@ -88,3 +88,29 @@ def count_buckets(rank, world_size, bucket_cap_mb, micro_steps, use_no_sync, tim
     return {"buckets_first_step": first_step_buckets,
             "allreduce_calls_per_step": (len(calls) - len(first_step_buckets)) / timed_steps,
             "ms_per_step": 1e3 * sorted(step_times[1:])[len(step_times) // 2]}
+
+
+def bucket_sizes_default_vs_explicit_cap(rank, world_size, dim=256):
+    """The bytes of each all-reduce in one steady-state backward, for DDP's default
+    bucket_cap_mb (None: 25 MiB, but the first bucket capped at dist._DEFAULT_FIRST_BUCKET_BYTES)
+    and for an explicit bucket_cap_mb=25 (every bucket 25 MiB)."""
+    cfg = lab.parse_config(["--dim", str(dim)])
+    inputs, targets = _global_batch(4 * world_size)
+    mine = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+    sizes = {}
+    for label, cap in (("default", None), ("explicit 25", 25)):
+        model = lab.build_model(cfg)
+        model.init_weights(seed=0)
+        ddp = DDP(model) if cap is None else DDP(model, bucket_cap_mb=cap)
+        calls = []
+
+        def recording_hook(state, bucket):
+            calls.append(bucket.buffer().numel() * bucket.buffer().element_size())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, recording_hook)
+        for _ in range(2):  # step 1 learns the gradient order; buckets are rebuilt after it
+            calls.clear()
+            lab.loss_fn(ddp(mine[0]), mine[1]).backward()
+        sizes[label] = list(calls)
+    return {"sizes": sizes, "first_bucket_cap": dist._DEFAULT_FIRST_BUCKET_BYTES}

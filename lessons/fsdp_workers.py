@@ -76,7 +76,10 @@ def shard_by_hand_vs_fully_shard(rank, world_size, steps=3, lr=0.1):
 STRATEGY_ARGS = {
     "ddp": ["--strategy", "ddp"],
     "zero1": ["--strategy", "zero1"],
-    "zero2": ["--strategy", "fsdp", "--reshard-after-forward", "false"],
+    # Not the estimator's (and DeepSpeed's) ZeRO-2, which keeps a full copy of the parameters
+    # on every rank: here they are sharded between steps, and whole from a block's forward to
+    # its backward.
+    "fsdp_no_reshard": ["--strategy", "fsdp", "--reshard-after-forward", "false"],
     "zero3": ["--strategy", "fsdp"],
     "hsdp": ["--strategy", "fsdp", "--hsdp", "2"],
 }

@@ -7,9 +7,11 @@ test says which rank broke and how.
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -32,6 +34,13 @@ def load_script(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def installed_script(name):
+    """A console script of the environment running the tests (the active venv or conda env,
+    wherever it lives), else whatever PATH finds."""
+    candidate = Path(sysconfig.get_path("scripts")) / name
+    return str(candidate) if candidate.exists() else shutil.which(name) or str(candidate)
 
 
 def free_port():

@@ -1,6 +1,8 @@
 """The pip requirements, the conda environment and the CI pins tell one story."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -55,3 +57,23 @@ def test_ci_runs_exactly_the_readme_test_command():
     commands = [line for line in ci.splitlines() if line and not line.startswith(("#", "set ", "cd "))]
     assert commands == ["make test"]
     assert re.search(r"^make test\b", readme, re.M)
+
+
+def test_the_suite_finds_installed_files_from_a_venv_outside_the_repo(tmp_path):
+    """A clean clone has no .venv: the tests that read torch's headers and run py-spy must find
+    them through the running interpreter, as they do for an active venv or conda env."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(clone)],
+                   check=True, timeout=120)
+    assert not (clone / ".venv").exists() and not str(sys.prefix).startswith(str(clone))
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import launcher; "
+                               "print(launcher.installed_script('py-spy'))"],
+        cwd=clone, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert Path(probe.stdout.strip()).exists(), probe.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q",
+         "tests/test_runbook_oom.py::test_installed_headers_say_what_the_page_quotes"],
+        cwd=clone, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr

@@ -9,7 +9,6 @@ The py-spy checks start the drill, wait until it is stuck, dump every rank, then
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -18,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from launcher import PYTHON, REPO, free_port, torchrun_cmd
+from launcher import PYTHON, REPO, free_port, installed_script, torchrun_cmd
 
 DRILLS = REPO / "runbooks" / "drills"
 RUNBOOKS = REPO / "runbooks"
-PY_SPY = shutil.which("py-spy") or str(REPO / ".venv" / "bin" / "py-spy")
+PY_SPY = installed_script("py-spy")
 LAUNCH_TIMEOUT = 150  # per launch; the drills fail in seconds, the rest is start-up on 2 cores
 
 

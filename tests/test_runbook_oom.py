@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,8 +257,8 @@ def test_both_allocator_variable_names_are_read_and_the_old_one_wins(fresh_proce
 
 
 def test_installed_headers_say_what_the_page_quotes():
-    include = REPO / ".venv" / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    header = next(include.glob("site-packages/torch/include/c10/cuda/CUDAAllocatorConfig.h"))
+    # The torch this interpreter imports, wherever its environment lives (not REPO/.venv).
+    header = Path(torch.__file__).parent / "include" / "c10" / "cuda" / "CUDAAllocatorConfig.h"
     source = header.read_text()
     first = source.index('get_env("PYTORCH_CUDA_ALLOC_CONF")')
     assert first < source.index('get_env("PYTORCH_ALLOC_CONF")')
