@@ -792,23 +792,45 @@ def local_bytes(tensors):
 
 
 class CommCounter(CommDebugMode):
-    """CommDebugMode counts collectives by type (and per module); this also sums each one's
-    payload: the largest tensor it touches (all-reduce: the tensor; all-gather: the gathered
-    output; reduce-scatter: the unreduced input). TP's collectives come from DTensor as
-    c10d_functional.*, FSDP's and the loss average as c10d.* ops, so the keys tell them apart."""
+    """CommDebugMode counts collectives by type (and per module); this also counts the bytes
+    each rank sends for them, with lesson 00's ring factors for a group of n ranks and a full
+    tensor of S bytes (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter:
+    the unreduced input): all-reduce 2 (n-1)/n x S, all-gather and reduce-scatter (n-1)/n x S.
+    TP's collectives come from DTensor as c10d_functional.* ops, which see only the local
+    input (for an all-gather: one shard, S / n); FSDP's and the loss average come as c10d.*
+    ops, which see both buffers. Counting wire bytes, not "the largest argument", is what
+    makes the two comparable."""
 
-    def __init__(self):
+    def __init__(self, groups):
         super().__init__()
-        self.payload_bytes = Counter()
+        self.group_sizes = {g.group_name: g.size() for g in groups}
+        self.wire_bytes = Counter()
+
+    def group_size(self, args):
+        for a in args:
+            if isinstance(a, str) and a in self.group_sizes:  # functional: the group's name
+                return self.group_sizes[a]
+            if isinstance(a, torch.ScriptObject):  # c10d: the ProcessGroup itself
+                with contextlib.suppress(RuntimeError):  # (the ReduceOp is one too)
+                    return dist.ProcessGroup.unbox(a).size()
+        raise ValueError(f"no process group among the arguments: {args}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = Counter(self.comm_counts)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         for op in Counter(self.comm_counts) - before:
-            tensors = [t for a in [*args, *(kwargs or {}).values()]
-                       for t in (a if isinstance(a, (list, tuple)) else [a])
+            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
                        if isinstance(t, torch.Tensor)]
-            self.payload_bytes[str(op)] += max((t.nbytes for t in tensors), default=0)
+            largest, n, name = max(t.nbytes for t in tensors), self.group_size(args), str(op)
+            if "all_reduce" in name or "allreduce" in name:
+                sent = 2 * (n - 1) / n * largest
+            elif name == "c10d_functional.all_gather_into_tensor":  # its input is one shard
+                sent = (n - 1) * largest
+            elif "gather" in name or "scatter" in name:
+                sent = (n - 1) / n * largest
+            else:
+                sent = largest
+            self.wire_bytes[name] += int(sent)
         return out
 
     def block_counts(self, block_name):
@@ -847,7 +869,13 @@ class SavedActivationBytes(torch.autograd.graph.saved_tensors_hooks):
 def clip_grad_norm_(parameters, max_norm):
     """clip_grad_norm_ for gradients on different meshes: without SP the norm weights live on
     "dp" only, the TP'd weights on ("dp", "tp"), and one torch.stack cannot mix meshes. Sum
-    squares per mesh (full_tensor() all-reduces a DTensor norm over its mesh), then combine."""
+    squares per mesh (full_tensor() all-reduces a DTensor norm over its mesh), then combine.
+
+    On the 2-D mesh, full_tensor() reduces one axis after the other, and DTensor logs (once)
+    "2 sequential all_reduce operations will be performed ... flatten mesh dimensions". It is a
+    latency hint: each all-reduce carries one scalar, once per step. The result is the same on
+    every rank, because each all-reduce hands all members of a group the same bits and the
+    second one sums values that the first already made equal across "dp"."""
     groups = {}
     for p in parameters:
         if p.grad is not None:
@@ -981,10 +1009,11 @@ def check_parity(cfg, model, rank, dp_size, device):
     return max_diff, ref_losses
 
 
-def count_first_step(cfg, model, optimizer, batches, device, rank, world_size, step):
+def count_first_step(cfg, model, optimizer, batches, device, rank, world_size, step, mesh):
     """The run's first step under CommCounter and SavedActivationBytes: what one step costs
     a rank."""
-    counter, saved = CommCounter(), SavedActivationBytes(model)
+    groups = [mesh["dp"].get_group(), mesh["tp"].get_group(), dist.group.WORLD]
+    counter, saved = CommCounter(groups), SavedActivationBytes(model)
     with counter:
         loss, data_s = train_step(model, optimizer, batches, cfg, device, cfg.loss_parallel,
                                   step, probe=saved)
@@ -993,7 +1022,7 @@ def count_first_step(cfg, model, optimizer, batches, device, rank, world_size, s
     return loss, data_s, {
         "activation_bytes_per_rank": activations,
         "comm_counts_per_step": {str(op): n for op, n in counter.comm_counts.items()},
-        "comm_payload_bytes_per_step": dict(counter.payload_bytes),
+        "comm_wire_bytes_per_step": dict(counter.wire_bytes),
         "comm_counts_block0": counter.block_counts("layers.0")}
 
 
@@ -1021,7 +1050,7 @@ def train(cfg, rank, world_size, device):
         t0 = time.perf_counter()
         if step == start_step + 1 and cfg.count_comms:
             loss, data_s, counts = count_first_step(cfg, model, optimizer, batches, device,
-                                                    rank, world_size, step)
+                                                    rank, world_size, step, mesh)
             extra.update(counts)
         else:
             loss, data_s = train_step(model, optimizer, batches, cfg, device, cfg.loss_parallel,

@@ -9,7 +9,7 @@ schedule `torch.distributed.pipelining` offers; the run records when every forwa
 counts the activation bytes each rank keeps for backward. `--check-parity` retrains in one
 process on the same batches: the loss, the first step's gradients and the final parameters
 must match within 1e-5 (fp32 on CPU). `--dp N` runs N pipelines side by side, each stage
-sharded with FSDP over the "dp" axis of a ("dp", "pp") mesh.
+sharded with FSDP over the "dp" axis of a ("pp", "dp") mesh (pp outermost: across nodes).
 
 Launch (the same file everywhere; the backend follows the hardware):
     torchrun --nproc-per-node 2 labs/lab04_pipeline.py --check-parity        # 1F1B, 2 stages
@@ -41,10 +41,11 @@ Use it in your project:
     keyed by index (names stay the whole model's) and a forward that skips a None embedding,
     norm or output; `loss_fn()` (the schedule calls it per microbatch, on the last stage
     only); `SyntheticSequences`.
-  - Keep: `stage_ids_for_rank()`; the ("dp", "pp") mesh of `build_pipeline()` (a pipeline on
-    neighbouring ranks, sends on its "pp" group only); `train_step()`: inputs to the first
-    stage, target and losses to the last, one all-reduce for the logged loss;
-    `clip_grad_norm()` across stages; checkpoints keyed by whole-model names (any pp or dp).
+  - Keep: `stage_ids_for_rank()`; the ("pp", "dp") mesh of `build_pipeline()` (stages
+    across nodes, each FSDP group inside one; sends on the "pp" group only); `train_step()`:
+    inputs to the first stage, target and losses to the last, one all-reduce for the logged
+    loss; `clip_grad_norm()` across stages; checkpoints keyed by whole-model names (any pp
+    or dp).
   - Pitfalls: stages split `--num-layers` evenly, but the first and last also hold embedding
     and output: balance by cost. Bubble (pp-1)/(m+pp-1) for GPipe and 1F1B
     (`bubble_formula()`): more `--microbatches` shrink it, but GPipe keeps all m in memory
@@ -875,9 +876,11 @@ def build_pipeline(cfg, device, timeline):
     """Mesh, stages, schedule and one optimizer per stage module for this rank."""
     world_size = dist.get_world_size()
     pp_size = world_size // cfg.dp
-    # Rank = dp_rank * pp + pp_rank: a pipeline's stages sit on neighbouring ranks, which
-    # puts the frequent point-to-point traffic inside a node on a multi-node job.
-    mesh = init_mesh(device.type, (cfg.dp, pp_size), ("dp", "pp"),
+    # "pp" outermost, as in torchtitan: rank = pp_rank * dp + dp_rank, so on a multi-node job
+    # the stages go across nodes (one activation per microbatch per cut: the lightest traffic)
+    # and each dp group, which all-gathers and reduce-scatters every stage's weights, sits on
+    # neighbouring ranks inside a node.
+    mesh = init_mesh(device.type, (pp_size, cfg.dp), ("pp", "dp"),
                      datetime.timedelta(seconds=cfg.timeout_s))
     pp_rank = mesh.get_local_rank("pp")
     num_stages = pp_size * cfg.stages_per_rank
@@ -1146,9 +1149,10 @@ def analyse_timeline(steps_per_rank, use_cpu_time):
     step's action order, each action costing the minimum over all steps of its (kind, stage)
     (CPU time on CPU; wall time on GPUs, one device per rank). The minimum, not the median:
     interference (gloo's threads, the allocator, a VM's stolen time) only ever adds time.
-    Between identical idle runs the replayed LoopedBFS bubble still ranged 0.12-0.20 (median:
-    0.14-0.23): what remains is that run's real imbalance between ranks and stages, so the
-    formula itself is checked by the equal-stage replay below."""
+    Between identical idle runs the replayed bubble still landed 0.00 to 0.12 above the
+    formula (LoopedBFS: 0.12-0.20 against 0.11): what remains is that run's real imbalance
+    between ranks and stages, so the formula itself is checked by the equal-stage replay
+    below."""
     steps = []
     for k in range(len(steps_per_rank[0])):
         measured, per_rank = bubble_of([rank_steps[k] for rank_steps in steps_per_rank])

@@ -31,6 +31,7 @@
 # Everything runs on a laptop CPU over gloo; on GPUs the same code uses NCCL.
 
 # %%
+import inspect
 import json
 import os
 import subprocess
@@ -106,8 +107,11 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 
 # %% [markdown]
 # Tens of GB per micro-batch, on the critical path of every layer: under a tenth of a second
-# inside a node, most of a second across nodes, for every micro-batch. FSDP's traffic (parameters gathered, gradients reduce-scattered) is per step and
-# overlaps with compute. Hence the 2D layout: **TP inside a node, FSDP across nodes.**
+# inside a node, most of a second across nodes, for every micro-batch. FSDP's traffic is
+# smaller and off the critical path: it all-gathers each block's parameters in the forward and
+# again in the backward of *every* micro-batch (gradient accumulation does not save those), and
+# reduce-scatters the gradients once per step when syncing is off for the other micro-steps;
+# all of it can overlap with compute. Hence the 2D layout: **TP inside a node, FSDP across nodes.**
 #
 # ## From scratch: column-parallel, then row-parallel
 #
@@ -116,8 +120,38 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 # computes a slice of the hidden units, and gelu is elementwise so no exchange is needed), `B`
 # by input features (row-parallel: each rank gets a *partial sum* of y). Forward all-reduces
 # the partial sums (Megatron's `g`); backward all-reduces the input gradient (`f`), because each
-# rank's slice contributed part of dL/dx. `tp_workers.py` builds both as autograd functions
-# and compares with `nn.Linear` on two processes.
+# rank's slice contributed part of dL/dx. The picture, for the 2-rank example below (8 inputs,
+# 16 hidden units):
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), gridspec_kw={"width_ratios": [1, 2]})
+rank_colors = ["tab:blue", "tab:orange"]
+for r in range(2):  # A = fc1.weight, 16 x 8: rank r keeps output rows 8r .. 8r+7
+    axes[0].add_patch(plt.Rectangle((0, 8 * r), 8, 8, color=rank_colors[r], alpha=0.75))
+    axes[0].text(4, 8 * r + 4, f"rank {r}\nrows {8 * r}-{8 * r + 7}", ha="center", va="center",
+                 fontsize=11, color="white", fontweight="bold")
+    # B = fc2.weight, 8 x 16: rank r keeps input columns 8r .. 8r+7 (the same hidden units)
+    axes[1].add_patch(plt.Rectangle((8 * r, 0), 8, 8, color=rank_colors[r], alpha=0.75))
+    axes[1].text(8 * r + 4, 4, f"rank {r}\ncolumns {8 * r}-{8 * r + 7}", ha="center",
+                 va="center", fontsize=11, color="white", fontweight="bold")
+axes[0].set(xlim=(0, 8), ylim=(16, 0), xlabel="input features (8)", ylabel="hidden units (16)")
+axes[0].set_title("A, column-parallel:\neach rank computes its hidden units", fontsize=11)
+axes[1].set(xlim=(0, 16), ylim=(8, 0), xlabel="hidden units (16)", ylabel="outputs (8)")
+axes[1].set_title("B, row-parallel: each rank a partial sum of y,\nall-reduced forward (g)",
+                  fontsize=11)
+for ax in axes:
+    ax.set_aspect("equal")
+    ax.tick_params(labelsize=10)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# `tp_workers.py` builds `f` and `g` as autograd functions and checks the split MLP against
+# `nn.Linear` on two processes. This is all of it:
+
+# %%
+for function in (tp_workers.CopyToTP, tp_workers.ReduceFromTP, tp_workers.column_row_by_hand):
+    print(inspect.getsource(function))
 
 # %%
 by_hand = run_workers(tp_workers.column_row_by_hand, 2, timeout_s=240)
@@ -346,25 +380,34 @@ assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < act
 # ### Communication per step against tp
 #
 # `CommDebugMode` names every collective. TP's come from DTensor (`c10d_functional.*`), FSDP's
-# from `fully_shard` (`c10d.*`), so one step's payload splits cleanly:
+# from `fully_shard` (`c10d.*`), so one step's traffic splits cleanly. The lab's `CommCounter`
+# counts the bytes each rank *sends*, with lesson 00's ring factors: for a group of n ranks and
+# a full tensor of S bytes, an all-reduce sends 2 (n-1)/n x S, an all-gather or a
+# reduce-scatter (n-1)/n x S. (Counting "the tensor a collective touches" instead mixes two
+# accountings: DTensor's functional all-gather sees only the local shard, FSDP's sees the
+# gathered output.)
 
 # %%
-def payload_mib(metrics, prefix):
-    return sum(v for k, v in metrics["comm_payload_bytes_per_step"].items()
+print(inspect.getsource(lab.CommCounter.__torch_dispatch__))
+
+
+def wire_mib(metrics, prefix):
+    return sum(v for k, v in metrics["comm_wire_bytes_per_step"].items()
                if k.startswith(prefix)) / 2**20
 
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
 for sp, style in [(False, "o-"), (True, "s--")]:
-    ax.plot(tps, [payload_mib(runs[t, sp and t > 1], "c10d_functional.") for t in tps], style,
+    ax.plot(tps, [wire_mib(runs[t, sp and t > 1], "c10d_functional.") for t in tps], style,
             label=f"TP collectives{' (SP)' if sp else ''}")
-ax.plot(tps, [payload_mib(runs[t, False], "c10d.") for t in tps], "^:", label="FSDP collectives")
-ax.set(title="payload per step per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB", xticks=tps)
+ax.plot(tps, [wire_mib(runs[t, False], "c10d.") for t in tps], "^:", label="FSDP collectives")
+ax.set(title="bytes sent per step per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
+       xticks=tps)
 ax.legend()
 plt.show()
-fsdp = [payload_mib(runs[t, False], "c10d.") for t in tps]
-tp_traffic = [payload_mib(runs[t, False], "c10d_functional.") for t in tps]
-print("FSDP MiB:", [f"{x:.2f}" for x in fsdp], "TP MiB:", [f"{x:.2f}" for x in tp_traffic])
+fsdp = [wire_mib(runs[t, False], "c10d.") for t in tps]
+tp_traffic = [wire_mib(runs[t, False], "c10d_functional.") for t in tps]
+print("FSDP MiB:", [f"{x:.3f}" for x in fsdp], "TP MiB:", [f"{x:.3f}" for x in tp_traffic])
 assert fsdp[0] > fsdp[1] > fsdp[2] and tp_traffic[1] > 10 * tp_traffic[0]
 
 # %% [markdown]
@@ -396,8 +439,22 @@ assert tp_only(runs[2, True]["comm_counts_block0"]["backward"]) == {
 
 # %% [markdown]
 # An all-reduce costs what a reduce-scatter plus an all-gather cost (that is how ring
-# all-reduce works), so sequence parallel moves the same bytes as plain TP while sharding
-# activations that plain TP keeps whole.
+# all-reduce works: 2 (n-1)/n = (n-1)/n + (n-1)/n), so sequence parallel sends the same bytes
+# as plain TP while sharding activations that plain TP keeps whole. Measured, per step and
+# rank, the only difference is SP's extra all-reduce of each norm's weight gradient (5 norms
+# of 64 fp32 values here, `2 x num_layers + 1` norms):
+
+# %%
+defaults = lab.parse_config(["--tp", "1"])  # the model the runs above trained
+num_norms = 2 * defaults.num_layers + 1     # two per block, plus the final one
+for t in (2, 4):
+    tp_bytes = wire_mib(runs[t, False], "c10d_functional.") * 2**20
+    sp_bytes = wire_mib(runs[t, True], "c10d_functional.") * 2**20
+    norm_grads = num_norms * defaults.dim * 4 * 2 * (t - 1) / t  # one all-reduce per norm
+    print(f"tp = {t}: TP {tp_bytes:,.0f} B, TP + SP {sp_bytes:,.0f} B "
+          f"(difference {sp_bytes - tp_bytes:,.0f} B; norm weight grads {norm_grads:,.0f} B)")
+    assert abs(sp_bytes - tp_bytes - norm_grads) <= 64  # a few 4-byte scalars of grad norms
+    assert abs(sp_bytes / tp_bytes - 1) < 0.01
 #
 # ## A worked cluster plan
 #
@@ -444,9 +501,9 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all 
 # ## Exercises
 #
 # 1. `--tp`: run `torchrun --nproc-per-node 4 labs/lab03_tp_fsdp.py --tp 4 --count-comms` and
-#    `--tp 1`; compare `comm_payload_bytes_per_step` in the metrics JSON.
+#    `--tp 1`; compare `comm_wire_bytes_per_step` in the metrics JSON.
 # 2. `--sequence-parallel` with `--seq-len 30 --tp 4`: read the error, then fix `--seq-len`.
-# 3. `--loss-parallel`: compare the `all_gather_into_tensor` payload with and without it. Which
+# 3. `--loss-parallel`: compare the `all_gather_into_tensor` bytes with and without it. Which
 #    tensor is no longer gathered?
 # 4. `--num-heads 2 --tp 4`: why does the lab refuse, and what would happen to a head split
 #    across ranks?

@@ -95,22 +95,74 @@ assert abs(bubble(8, 8, v=4) - bubble(8, 32)) < 1e-12
 # finishes the forward and the loss. Then backward: rank 1 sends the gradient with respect to
 # its input back, and rank 0 continues the chain rule with `out.backward(grad)`.
 
+# This is the whole by-hand step (`lessons/pipeline_workers.py`). Both ranks leave a barrier
+# together and start one clock there, and each start is stamped *after* the receive it waited
+# on, so a wait shows as a gap, never as work:
+
 # %%
-BATCH, MICRO = 16, 4
+print(inspect.getsource(pipeline_workers.gpipe_by_hand))
+
+# %%
+BATCH, MICRO = 64, 4
 rank0, rank1 = run_workers(pipeline_workers.gpipe_by_hand, 2, BATCH, MICRO, timeout_s=60)
 first_grads, second_grads, ref_loss = pipeline_workers.single_process_grads(BATCH)
 worst = max(max((rank0["grads"][n] - g).abs().max().item() for n, g in first_grads.items()),
             max((rank1["grads"][n] - g).abs().max().item() for n, g in second_grads.items()))
 print(f"pipeline loss {rank1['loss']:.6f} vs one process {ref_loss:.6f}; "
       f"max |grad diff| {worst:.1e}")
-for name, events in (("rank 0", rank0["events"]), ("rank 1", rank1["events"])):
-    print(name, " ".join(f"{kind}{mb}@{start * 1e3:.1f}ms" for kind, mb, start, _ in events))
 assert abs(rank1["loss"] - ref_loss) < 1e-6 and worst < 1e-6
 
 # %% [markdown]
 # Same loss, same gradients: dividing each microbatch's loss by `m` and summing the gradients
-# is the gradient of the batch mean. The event list shows the fill-drain shape: rank 1's first
-# forward starts only after rank 0's first forward, and rank 0's backwards wait for rank 1's.
+# is the gradient of the batch mean. Drawn on the shared clock, with the same chart the lab's
+# runs get below (colour: the action; label: the microbatch):
+
+# %%
+COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:green", "W": "tab:red"}
+LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)"}
+
+
+def draw_gantt(ax, ranks, title):
+    """ranks[r] = [(kind, microbatch, start_s, end_s), ...]; one row per rank, in ms from the
+    first action. Text sizes are chosen to stay readable when the page scales the figure down."""
+    t0 = min(start for events in ranks for _, _, start, _ in events)
+    span = max(end for events in ranks for _, _, _, end in events) - t0
+    for r, events in enumerate(ranks):
+        for kind, mb, start, end in events:
+            ax.barh(r, (end - start) * 1e3, left=(start - t0) * 1e3, color=COLORS[kind],
+                    edgecolor="black", lw=0.4, height=0.8)
+            if end - start > 0.025 * span:  # a label only where it fits
+                ax.text((start + end - 2 * t0) / 2 * 1e3, r, str(mb), ha="center",
+                        va="center", fontsize=10, color="white", fontweight="bold")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))], fontsize=10)
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=11, loc="left")
+    ax.tick_params(axis="x", labelsize=10)
+
+
+def gantt_legend(fig, kinds):
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in kinds]
+    fig.legend(handles, [LABELS[k] for k in kinds], loc="lower center", ncol=len(kinds),
+               fontsize=10, frameon=False)
+
+
+by_hand = [rank0["events"], rank1["events"]]
+fig, ax = plt.subplots(figsize=(8, 2.4))
+draw_gantt(ax, by_hand, "GPipe by hand: 2 stages, 4 microbatches")
+ax.set_xlabel("ms since rank 0's first forward", fontsize=10)
+gantt_legend(fig, "FB")
+fig.tight_layout(rect=(0, 0.1, 1, 1))
+plt.show()
+
+# Fill and drain, on one clock: rank 1 starts microbatch k only after rank 0 finished it, and
+# rank 0's backward of k only after rank 1's. The barrier leaves the clocks within ~1 ms.
+skew_s = 1e-3
+forward = {(r, mb): (s, e) for r, ev in enumerate(by_hand) for k, mb, s, e in ev if k == "F"}
+backward = {(r, mb): (s, e) for r, ev in enumerate(by_hand) for k, mb, s, e in ev if k == "B"}
+for mb in range(MICRO):
+    assert forward[1, mb][0] > forward[0, mb][1] - skew_s
+    assert backward[0, mb][0] > backward[1, mb][1] - skew_s
+assert forward[0, 0][0] < 0.5 * forward[1, 0][0] + skew_s  # rank 0 starts first; rank 1 waits
 #
 # ## With PyTorch
 #
@@ -128,9 +180,12 @@ print(inspect.getsource(lab.stage_ids_for_rank))
 
 # %% [markdown]
 # Which stages a rank holds depends on the schedule: looped schedules put stage `s` on rank
-# `s % pp`; the V schedules put the first and last stages on rank 0, so the turn of the V
-# needs no send. The constraints each class enforces (the lab checks them before starting any
-# process group, so a bad combination is one line and exit status 2, not a hang):
+# `s % pp`; the V schedules give rank `r` stages `r` and `2 pp - 1 - r`. Forward runs down the
+# ranks and back up, so the turn of the V, from stage `pp - 1` to stage `pp`, happens on the
+# last rank, which holds both: that hop needs no send. (Rank 0 holding the first and last
+# stages is the other end of the V: the input and the loss live on one rank.) The constraints
+# each class enforces (the lab checks them before starting any process group, so a bad
+# combination is one line and exit status 2, not a hang):
 
 # %%
 for name, spec in lab.SCHEDULES.items():
@@ -140,6 +195,8 @@ for name, spec in lab.SCHEDULES.items():
 v_cfg = argparse.Namespace(schedule="ZBVZeroBubble", stages_per_rank=2)
 loop_cfg = argparse.Namespace(schedule="Interleaved1F1B", stages_per_rank=2)
 assert lab.stage_ids_for_rank(0, 2, v_cfg) == [0, 3] and lab.stage_ids_for_rank(1, 2, v_cfg) == [1, 2]
+for pp in (2, 4):  # the turn (stage pp - 1 -> pp) stays on the last rank, whatever pp is
+    assert {pp - 1, pp} == set(lab.stage_ids_for_rank(pp - 1, pp, v_cfg))
 assert lab.stage_ids_for_rank(0, 2, loop_cfg) == [0, 2]
 
 # %% [markdown]
@@ -188,25 +245,15 @@ for name, m in runs.items():
 # the same time axis. The label is the microbatch; the colour is the action.
 
 # %%
-COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:green", "W": "tab:red"}
-horizon = max(e[4] for m in runs.values() for rank in m["timeline"]["ranks"] for e in rank)
-fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.15 * len(runs) + 0.6), sharex=True)
+fig, axes = plt.subplots(len(runs), 1, figsize=(8, 1.7 * len(runs) + 0.8), sharex=True)
 for ax, (name, m) in zip(axes, runs.items()):
-    ranks = m["timeline"]["ranks"]
-    t0 = min(e[3] for rank in ranks for e in rank)
-    for r, events in enumerate(ranks):
-        for kind, stage, mb, start, end, _ in events:
-            ax.barh(r, (end - start) * 1e3, left=(start - t0) * 1e3, color=COLORS[kind],
-                    edgecolor="black", lw=0.3, height=0.8)
-            ax.text((start + end - 2 * t0) / 2 * 1e3, r, str(mb), ha="center", va="center",
-                    fontsize=6, color="white")
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
-axes[-1].set_xlabel("ms since the step's first action")
-handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-fig.legend(handles, ["forward", "backward", "backward (input)", "backward (weight)"],
-           loc="upper center", ncol=4, fontsize=8)
+    # The lab's events are (kind, stage, microbatch, start, end, cpu time): keep what we draw.
+    ranks = [[(kind, mb, start, end) for kind, _, mb, start, end, _ in events]
+             for events in m["timeline"]["ranks"]]
+    draw_gantt(ax, ranks, name)
+axes[-1].set_xlabel("ms since the step's first action", fontsize=10)
+gantt_legend(fig, "FBIW")
+fig.tight_layout(rect=(0, 0.04, 1, 1))
 plt.show()
 for m in runs.values():
     assert all(events for events in m["timeline"]["ranks"])
@@ -244,9 +291,10 @@ assert runs["Interleaved1F1B"]["bubble"]["formula"] == bubble(2, 4, v=2)
 # %% [markdown]
 # How close is it? With equal stages the replay gives the formula exactly (asserted above; the
 # test suite asserts the same): the formula is right about the schedule's shape. With the
-# measured costs the replay lands above it, by this run's stage imbalance (0.00 to 0.12 between
-# identical runs on a shared 2-core VM). Neither is below the formula: a balanced pipeline is
-# the best case. The measured bubble sits well above it here. The reason is scale: each action of this tiny
+# measured costs the replay lands above it by this run's stage imbalance: 0.00 to 0.12 above
+# the formula between identical runs on a shared 2-core VM. Neither is below the formula: a
+# balanced pipeline is the best case. The measured bubble sits well above it here. The reason
+# is scale: each action of this tiny
 # model takes a few milliseconds, while a gloo send/receive on CPU plus the Python between
 # actions costs a sizeable fraction of that, and the two ranks share the machine with
 # whatever else is running. On GPUs with real layer sizes, actions take tens of milliseconds
@@ -288,16 +336,18 @@ plt.show()
 #
 # ## Composing PP with FSDP and TP
 #
-# `--dp N` runs N pipelines side by side on a `("dp", "pp")` device mesh: rank
-# `dp_rank * pp + pp_rank`, so a pipeline's stages are neighbouring ranks (inside one node on a
-# multi-node job) and the dp groups span them. Each stage is sharded with `fully_shard` over
-# the `dp` axis; the schedule holds the gradient reduce-scatter back until the last microbatch
+# `--dp N` runs N pipelines side by side on a `("pp", "dp")` device mesh: rank
+# `pp_rank * dp + dp_rank`. "pp" is the outer axis, as in torchtitan, so on a multi-node job
+# the stages go across nodes (a cut sends one activation per microbatch, the lightest traffic
+# of all) and each dp group, which all-gathers and reduce-scatters its stage's weights, is
+# neighbouring ranks inside one node. Each stage is sharded with `fully_shard` over the `dp`
+# axis; the schedule holds the gradient reduce-scatter back until the last microbatch
 # (`reshard_after_forward=False` keeps the stage's parameters gathered for the whole step,
 # otherwise every microbatch would all-gather them again). The test suite runs
 # `torchrun --nproc-per-node 4 labs/lab04_pipeline.py --dp 2 --check-parity` and checks it
 # against the same single-process reference. Large jobs add tensor parallelism inside each
-# stage: a 3-D mesh `("dp", "pp", "tp")` with TP on the fastest links (inside a node), PP
-# across nodes, FSDP over the rest (lesson 03 covers TP).
+# stage: a 3-D mesh `("pp", "dp", "tp")` with TP innermost on the fastest links (inside a
+# node), PP outermost across nodes, FSDP in between (lesson 03 covers TP).
 #
 # ## When to choose it
 #
@@ -313,7 +363,8 @@ plt.show()
 #
 # - PP cuts the model by layers; neighbours exchange activations and gradients point-to-point.
 # - Bubble `(p - 1) / (m + p - 1)`, divided by `v` stages per rank when interleaved; measured
-#   here and compared: replay within 0.10 of the formula, wall clock above it.
+#   here and compared: the equal-stage replay gives the formula exactly, the replay with
+#   measured costs lands 0.00 to 0.12 above the formula, the wall clock above both.
 # - 1F1B holds at most `pp - rank` microbatches, GPipe all `m`: measured in saved bytes.
 # - Every schedule trains the same model as one process: parity within 1e-5.
 #

@@ -179,18 +179,19 @@ def test_plan_key_guard():
 
 
 BAD_INPUTS = [
-    ("1", [], "--tp: 2 does not divide the world size 1"),
+    ("1", ["--tp", "2"], "--tp: 2 does not divide the world size 1"),
     ("4", ["--tp", "3"], "--tp: 3 does not divide the world size 4"),
     ("4", ["--tp", "4", "--num-heads", "2"], "--tp: 4 does not divide --num-heads = 2"),
     ("2", ["--sequence-parallel", "--seq-len", "33"],
      "--tp: 2 does not divide --seq-len (with --sequence-parallel) = 33"),
-    ("2", ["--tp", "0"], "--tp: must be > 0, got 0"),
+    ("2", ["--tp", "-1"], "--tp: must be >= 0, got -1"),
     ("2", ["--warmup-steps", "-1"], "--warmup-steps: must be >= 0, got -1"),
 ]
 
 
 @pytest.mark.parametrize("world_size,args,message", BAD_INPUTS,
-                         ids=["plain-python", "tp-3-of-4", "heads", "seq-len", "tp-0", "warmup"])
+                         ids=["plain-python-tp-2", "tp-3-of-4", "heads", "seq-len", "tp-negative",
+                              "warmup"])
 def test_bad_input_is_one_line_and_exit_2(world_size, args, message):
     # Validation runs before any process group, so a plain process with WORLD_SIZE set sees
     # exactly what every torchrun rank would.

@@ -374,3 +374,13 @@ def test_launcher_variables_are_read_where_the_reference_says():
     assert 'os.environ["OMP_NUM_THREADS"] = str(omp_num_threads)' in launcher
     assert 'os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")' in inspect.getsource(rendezvous)
     assert '"TORCHELASTIC_RESTART_COUNT": str(restart_count)' in inspect.getsource(agent)
+
+
+def test_pages_show_no_path_of_the_machine_they_were_written_on():
+    """Quoted output (py-spy dumps, tracebacks) uses neutral paths, not this checkout's."""
+    here = [str(REPO), "/root/", str(Path.home()) + "/"]
+    offenders = [f"{page.relative_to(REPO)}: {marker}"
+                 for page in [*REPO.glob("runbooks/*.md"), *REPO.glob("docs/**/*.md"),
+                              *REPO.glob("lessons/*.py"), REPO / "README.md"]
+                 for marker in here if marker in page.read_text()]
+    assert offenders == []

@@ -27,6 +27,12 @@ def default_world_size():
     return torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2
 
 
+def summary_of(log_path):
+    """The lab's own "done | ..." line: warnings printed after it are not the result."""
+    done = [line for line in log_path.read_text().splitlines() if line.startswith("done | ")]
+    return done[-1] if done else "(no summary line: see " + str(log_path) + ")"
+
+
 def run_lab(lab, nproc, timeout_s):
     metrics_path = OUT / f"{lab.stem}.json"
     metrics_path.unlink(missing_ok=True)
@@ -105,8 +111,7 @@ def main():
         print(f"[lab {i}/{len(labs)}] {lab.name}: torchrun x{nproc} --check-parity ...",
               flush=True)
         results.append(run_lab(lab, nproc, args.lab_timeout_s))
-        print(f"    {(OUT / (lab.stem + '.log')).read_text().strip().splitlines()[-1]}",
-              flush=True)
+        print(f"    {summary_of(OUT / (lab.stem + '.log'))}", flush=True)
     (OUT / "summary.json").write_text(json.dumps(results, indent=2))
     lessons = execute_lessons()
     site = None if args.skip_site else build_site()
