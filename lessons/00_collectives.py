@@ -265,9 +265,7 @@ assert all(torch.equal(a, initial[0]) for a in after)
 # %% [markdown]
 # **all_reduce**: every rank ends with the elementwise reduction of all ranks' tensors,
 # in place. `ReduceOp.SUM` adds; `ReduceOp.AVG` divides by n as well, which is exactly the
-# data-parallel gradient average. (Gloo supports AVG since pytorch PR #149781, merged in
-# March 2025, so from torch 2.8 by its date; `cw.all_reduce_avg` falls back to SUM and a
-# division on older gloo.)
+# data-parallel gradient average.
 
 # %%
 total = sum(initial)
@@ -306,9 +304,7 @@ assert all(torch.equal(after[i], column_sums[i:i + 1]) for i in range(WORLD_SIZE
 # %% [markdown]
 # **all_to_all**: rank i sends its j-th piece to rank j, a transpose across ranks. Mixture
 # of experts uses it to send each token to the rank holding its expert. The demo calls the
-# single-tensor form `all_to_all_single`, the one such code uses. A list form
-# `dist.all_to_all` exists too, but the docs' backend table marks it unsupported on gloo and
-# the torch version where gloo gained it is not pinned down, so this course avoids it on CPU.
+# single-tensor form `all_to_all_single`, the one such code uses.
 
 # %%
 before, after = show("all_to_all", "dist.all_to_all_single(out, x)")
@@ -346,23 +342,32 @@ print(f"last arrival after first: {max(arrived) - t0:.3f} s; "
 assert min(left) >= max(arrived)        # nobody left before the last rank arrived
 
 # %% [markdown]
-# ### List forms, flat-buffer forms, and torch versions
+# ### List forms and flat-buffer forms
 #
 # `all_gather` and `reduce_scatter` above take Python lists of n tensors. Both also have a
 # flat-buffer form that reads or writes one contiguous tensor of n times the size, which
-# saves copies and is what FSDP uses. These forms were renamed in torch 2.13:
-# `all_gather_into_tensor` became `all_gather_single` and `reduce_scatter_tensor` became
-# `reduce_scatter_single`. The old names still work but raise a `FutureWarning`, and the new
-# names do not exist before 2.13, so code that must run on torch 2.6 through 2.13 (like this
-# course) picks whichever name exists:
+# saves copies and is what FSDP uses. In torch 2.13 they are `dist.all_gather_single` and
+# `dist.reduce_scatter_single` (the older names warn; see the box).
 #
-# ```python
-# all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# ```
+# <details><summary>Versions: what differs in older torch (read once, then skip)</summary>
 #
-# The list forms never changed, which is why the lesson teaches them first. One more version
-# note: gloo gained the list form of `reduce_scatter` in torch 2.8 (pytorch PR #149869);
-# `cw.reduce_scatter_list` falls back to the flat form on older gloo.
+# This course is tested on torch 2.13. What the helpers in `collective_workers.py` do about
+# older releases, from the pull requests' merge dates (not from runs on those versions):
+#
+# - The flat forms were called `all_gather_into_tensor` and `reduce_scatter_tensor` before
+#   2.13. In 2.13 the old names still work but raise a `FutureWarning` (asserted below), and
+#   the new names do not exist earlier, so the helpers pick whichever name exists:
+#   `getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor`.
+# - Gloo gained `ReduceOp.AVG` (pytorch PR #149781) and the list form of `reduce_scatter`
+#   (PR #149869) in March 2025, so from torch 2.8 by date. `cw.all_reduce_avg` falls back to
+#   SUM and a division, `cw.reduce_scatter_list` to the flat form.
+# - The list form `dist.all_to_all` is marked unsupported on gloo in the docs' backend table,
+#   and the release where gloo gained it is not pinned down, so the course uses
+#   `all_to_all_single` on CPU.
+#
+# The list forms of all-gather and reduce-scatter never changed, which is why the lesson
+# teaches them first.
+# </details>
 
 # %%
 print("flat all-gather used here:", cw.all_gather_single.__name__,

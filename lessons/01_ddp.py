@@ -19,7 +19,7 @@
 #
 # - say exactly what DDP communicates, when, and how much;
 # - average gradients by hand with one collective and show DDP does the same thing;
-# - turn a single-process training script into a DDP one (five changes);
+# - turn a single-process training script into a DDP one: four changes, read as a diff;
 # - run `labs/lab01_ddp.py` on 1, 2 or 4 processes and prove, to 1e-5, that it trains the same
 #   model a single process would;
 # - predict how many all-reduces a step launches from `bucket_cap_mb` and `no_sync()`.
@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import torch
 
 ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
@@ -101,25 +102,62 @@ assert all(r["manual_vs_whole_batch"] < 1e-6 for r in by_hand)  # = full-batch g
 # (~1e-8): the mean of the two half-batch means *is* the mean over the batch, because the
 # halves are the same size. That is the whole idea of data parallelism.
 #
-# ## With PyTorch: the five changes
+# ## With PyTorch: the diff
 #
-# Going from a single-process script to DDP takes five changes. Here they are in the lab
-# (the code printed is the code that runs):
-#
-# 1. **Start a process group**, after `set_device` on GPUs (or every rank lands on `cuda:0`),
-#    with an explicit timeout so a stuck peer becomes an error instead of a hang.
-# 2. **Wrap the model** in `DistributedDataParallel`.
-# 3. **Give each rank different data**: `DistributedSampler`, and `set_epoch(epoch)` every
-#    epoch, or every epoch repeats the same order.
-# 4. **Accumulate without syncing**: `no_sync()` on all but the last micro-step.
-# 5. **Log and checkpoint from rank 0 only**, saving `model.module` (the unwrapped model).
+# `lessons/train_plain.py` is a plain single-process training loop of about 40 lines.
+# `lessons/train_ddp.py` is the same script with DDP. The whole difference:
 
 # %%
-print(inspect.getsource(lab.init_distributed))
+import difflib  # noqa: E402
+
+plain, ddp = (ROOT / "lessons" / name for name in ("train_plain.py", "train_ddp.py"))
+diff = list(difflib.unified_diff(plain.read_text().splitlines(), ddp.read_text().splitlines(),
+                                 "train_plain.py", "train_ddp.py", lineterm="", n=1))
+print("\n".join(diff))
+changed = [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+assert len(plain.read_text().splitlines()) < 50 and len(changed) < 30
+
+# %% [markdown]
+# Read it as four changes (the docstrings aside):
+#
+# 1. **Start a process group** with an explicit timeout, so a stuck peer becomes an error
+#    instead of a hang (on GPUs: `nccl`, after `torch.cuda.set_device(local_rank)`).
+# 2. **Wrap the model** in `DistributedDataParallel`: it broadcasts rank 0's weights, then
+#    all-reduces the gradients during `backward()`.
+# 3. **Give each rank different data**: a `DistributedSampler` and a per-rank batch of
+#    `BATCH // world_size`, with `set_epoch(epoch)` every epoch (without it every epoch repeats
+#    the first order: [runbook](../runbooks/dataloader-same-order-every-epoch.md)).
+# 4. **Print and save on rank 0 only**, saving `model.module` so the keys have no `module.`
+#    prefix, and destroy the group at the end.
+#
+# Both scripts, run for real: one process on the whole batch, two DDP ranks on half each.
+
+# %%
+diff_dir = Path(tempfile.mkdtemp(prefix="lesson01-diff-"))
+subprocess.run([sys.executable, str(plain), str(diff_dir / "plain.pt")], check=True,
+               timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", str(ddp), str(diff_dir / "ddp.pt")], check=True,
+               timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+plain_state = torch.load(diff_dir / "plain.pt", weights_only=True)
+ddp_state = torch.load(diff_dir / "ddp.pt", weights_only=True)
+script_parity = max((plain_state[k] - ddp_state[k]).abs().max().item() for k in plain_state)
+print(f"max |param diff| after 3 epochs: {script_parity:.1e}")
+assert plain_state.keys() == ddp_state.keys() and script_parity <= 1e-5
+
+# %% [markdown]
+# The same model, to rounding: the mean of two half-batch gradients is the whole batch's. The
+# order matches too, because `DistributedSampler(seed=0)` and the plain script's
+# `RandomSampler` draw the same `randperm` for each epoch, and DDP's rank r takes every
+# `world_size`-th index of it.
+#
+# The lab does the same with what a long job adds: gradient accumulation with `no_sync()` on
+# all but the last micro-step, checkpoints, logging and fault handling. (Its
+# `init_distributed()` also builds a restart-safe store; why is in
+# [restart hang](../runbooks/restart-hang.md).)
+
+# %%
 print(inspect.getsource(lab.apply_ddp))
-
-# %%
-print(inspect.getsource(lab.micro_batches))
 print(inspect.getsource(lab.train_step))
 
 # %% [markdown]
@@ -240,19 +278,161 @@ assert gap < 1e-5 and ddp2["final_loss"] < 1.0
 # reference that instead runs the 16 sequences as one big batch computes the same mean with a
 # different summation order. The difference is ~1e-8 per gradient entry, but Adam divides each
 # update by the running root-mean-square of that entry's gradient, and for entries that cancel
-# to nearly zero, rounding noise of 1e-8 becomes a relative error of order one. Try it
-# (exercise 3): the parameters then differ by about 2e-5. That is not a DDP bug; it is Adam
-# amplifying float rounding.
+# to nearly zero, rounding noise of 1e-8 becomes a relative error of order one. It is worst at
+# Adam's first step, which the lab's learning-rate warmup (`--warmup-steps 5`) skips: without
+# it, 3 ranks miss 1e-5 (1.4e-5, `tests/test_odd_world_sizes.py`). That is not a DDP bug; it is
+# Adam amplifying float rounding. Exercise 3 lets you measure it.
 #
 # With 4 processes and gradient accumulation (2 micro-steps per optimizer step, `no_sync` on
-# the first) the result is the same:
+# the first) the result is the same. The lab's default global batch is 8 sequences per rank
+# and micro-step, so it grows with the world size; `--batch-size 16` keeps the 2-rank run's:
 
 # %%
-ddp4 = run_lab(4, "--check-parity", "--grad-accum", "2")
+ddp4 = run_lab(4, "--check-parity", "--grad-accum", "2", "--batch-size", "16")
 print(f"4 ranks x 2 micro-steps: final loss {ddp4['final_loss']:.4f}, "
       f"parity {ddp4['parity_max_abs_diff']:.1e}")
 assert ddp4["parity_max_abs_diff"] <= 1e-5
 assert abs(ddp4["final_loss"] - ddp2["final_loss"]) < 1e-4
+
+# %% [markdown]
+# ## What DDP users run into
+#
+# Five things that the loop above never meets and real models do, each run here on two gloo
+# processes (`lessons/ddp_workers.py`) unless marked.
+#
+# ### A parameter that gets no gradient
+#
+# DDP waits, in every backward, for a gradient of every parameter. A branch that forward never
+# uses (a frozen head, an `if` on the input) never delivers one, and the *next* forward fails.
+# `find_unused_parameters=True` makes DDP walk the autograd graph after each forward and mark
+# such parameters ready (a CPU cost per step, so only where needed):
+
+# %%
+broken = run_workers(ddp_workers.unused_parameters, 2, False)[0]
+named = run_workers(ddp_workers.unused_parameters, 2, False, True)[0]
+fixed = run_workers(ddp_workers.unused_parameters, 2, True)[0]
+print("without find_unused_parameters:", broken["error"][:110], "...")
+print("with TORCH_DISTRIBUTED_DEBUG=DETAIL the error adds:", named["named"])
+print("with find_unused_parameters=True:", fixed["error"] or "two steps, no error")
+assert broken["error"].startswith("Expected to have finished reduction in the prior iteration")
+assert named["named"] == "Parameters which did not receive grad for rank 0: unused.bias, unused.weight"
+assert fixed["error"] is None
+
+# %% [markdown]
+# ### BatchNorm statistics drift apart
+#
+# Buffers are not gradients: DDP never all-reduces them. By default it copies rank 0's buffers
+# to every rank at the start of each forward (`forward_sync_buffers=True`, called
+# `broadcast_buffers` before torch 2.13, which now warns about the old name). So the ranks
+# agree when each forward starts, each then updates its running statistics with its own data,
+# and a checkpoint from rank 0 holds statistics of rank 0's data only. Switched off, the ranks
+# drift further apart with every step. Here the two ranks see data with different means:
+
+# %%
+for sync in (True, False):
+    result = run_workers(ddp_workers.batchnorm_buffers, 2, sync)[0]
+    means = result["running_mean_per_rank"]
+    print(f"forward_sync_buffers={sync!s:5}: running_mean rank 0 {means[0].numpy().round(3)}, "
+          f"rank 1 {means[1].numpy().round(3)}")
+    if sync:
+        gap_synced = (means[0] - means[1]).abs().max().item()
+    else:
+        gap_drifted = (means[0] - means[1]).abs().max().item()
+print(f"rank gap after 3 steps: {gap_synced:.3f} synced at each forward, {gap_drifted:.3f} not")
+assert 0 < gap_synced < gap_drifted
+assert result["sync_by_hand_vs_whole_batch"] < 1e-6
+
+# %% [markdown]
+# The statistic that *should* normalise a global batch is its mean over every rank's samples.
+# By hand that is one all-reduce of each rank's batch mean (and the same for the variance),
+# which equals one process on the whole batch to rounding (asserted above). That is what
+# `torch.nn.SyncBatchNorm` does inside forward; convert a model with
+# `nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping it in DDP. It runs on GPUs
+# only: on CPU its forward raises `SyncBatchNorm expected input tensor to be on GPU or XPU or
+# privateuseone`, so the next cell runs only where there is a GPU.
+
+# %%
+if torch.cuda.is_available():  # GPU only, not executed in CI (this machine has no GPU)
+    sync_bn = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))).cuda()
+    print(type(sync_bn[1]).__name__, "on", next(sync_bn.parameters()).device)
+else:
+    with_cpu_input = torch.nn.SyncBatchNorm(4).train()
+    try:
+        with_cpu_input(torch.randn(8, 4))
+    except ValueError as exc:
+        print("on CPU:", exc)
+        assert "expected input tensor to be on GPU" in str(exc)
+
+# %% [markdown]
+# ### Uneven inputs: `Join`
+#
+# If ranks run different numbers of batches (an `IterableDataset` split by files, a custom
+# sampler), the rank with more batches waits in an all-reduce that the others never start. Here
+# rank 0 has 3 batches and rank 1 has 5. Without `Join`, rank 1 fails at its 4th batch as soon
+# as rank 0 exits (or after the timeout, if rank 0 is still alive). Inside
+# `with Join([model]):`, a rank that ran out of data keeps answering the others' all-reduces
+# with zeros until everyone is done:
+
+# %%
+without = run_workers(ddp_workers.uneven_inputs, 2, False, timeout_s=10)
+joined = run_workers(ddp_workers.uneven_inputs, 2, True)
+for name, ranks in (("without Join", without), ("with Join", joined)):
+    print(f"{name:12s}: steps per rank {[r['steps'] for r in ranks]}, "
+          f"errors {[r['error'][:60] + '...' if r['error'] else None for r in ranks]}")
+assert without[1]["steps"] == 3 and without[1]["error"] is not None
+assert [r["steps"] for r in joined] == [3, 5] and not any(r["error"] for r in joined)
+
+# %% [markdown]
+# (With the default `DistributedSampler` this cannot happen: it pads so that every rank gets
+# the same number of batches.)
+#
+# ### Compressing the gradients: a communication hook
+#
+# `model.register_comm_hook(state, hook)` replaces what DDP does with each bucket. The stock
+# hooks in `torch.distributed.algorithms.ddp_comm_hooks.default_hooks` include
+# `fp16_compress_hook` and `bf16_compress_hook`: all-reduce a 16-bit copy of the bucket, then
+# cast the sum back. Half the bytes on the wire, paid for with 16-bit rounding of the gradient
+# sum. `bf16_compress_hook` refuses gloo (`BF16 all reduce communication hook required CUDA
+# 11+ and NCCL 2.10+`, GPU only), so on CPU the fp16 hook shows the same mechanism:
+
+# %%
+fp32 = run_workers(ddp_workers.compressed_allreduce_bytes, 2, "allreduce")[0]
+fp16 = run_workers(ddp_workers.compressed_allreduce_bytes, 2, "fp16")[0]
+for name, r in (("stock hook", fp32), ("fp16_compress_hook", fp16)):
+    print(f"{name:18s}: all_reduce of {sum(b for _, b in r['sent']):,} bytes as "
+          f"{sorted({d for d, _ in r['sent']})}")
+assert sum(b for _, b in fp32["sent"]) == fp32["grad_bytes"]
+assert sum(b for _, b in fp16["sent"]) * 2 == fp16["grad_bytes"]
+assert {d for d, _ in fp16["sent"]} == {"torch.float16"}
+
+# %% [markdown]
+# ### DataParallel is not a shortcut
+#
+# `torch.nn.DataParallel(model)` drives every GPU from one Python process. Each step it copies
+# the parameters from GPU 0 to the others, scatters the batch, runs the replicas in threads
+# (which share the GIL), and gathers the outputs back on GPU 0, which also computes the loss.
+# GPU 0 holds more than the others and becomes the bottleneck; the PyTorch docs recommend DDP
+# even on one machine. DDP's one process per GPU has none of this. The cell below measures one
+# step of each kind where two GPUs exist (GPU only, not executed in CI: no numbers on this
+# page until someone runs it on GPUs):
+
+# %%
+if torch.cuda.device_count() >= 2:  # GPU only, not executed in CI
+    import time as _time
+
+    gpu_model = lab.build_model(cfg).cuda()
+    dp_model = torch.nn.DataParallel(gpu_model)
+    tokens = torch.randint(0, cfg.vocab_size, (64, cfg.seq_len), device="cuda")
+    for label, net in (("one GPU", gpu_model), ("DataParallel", dp_model)):
+        for attempt in range(3):  # the first call warms up
+            torch.cuda.synchronize()
+            t0 = _time.perf_counter()
+            net(tokens).float().mean().backward()
+            torch.cuda.synchronize()
+        print(f"{label}: {(_time.perf_counter() - t0) * 1e3:.1f} ms per step")
+else:
+    print("GPU only: needs 2 CUDA GPUs; not executed here")
 
 # %% [markdown]
 # ## Summary

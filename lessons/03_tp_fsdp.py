@@ -40,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import torch
 
 ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
@@ -459,14 +460,13 @@ for t in (2, 4):
 # ## A worked cluster plan
 #
 # 8 nodes x 8 GPUs = 64 ranks, tp = 4. The mesh must cover every rank: dp = 64 / 4 = 16, so
-# `init_device_mesh("cuda", (16, 4), mesh_dim_names=("dp", "tp"))`. A common mistake is
+# `init_device_mesh("cuda", (16, 4), mesh_dim_names=("dp", "tp"))` (the lab builds the same
+# layout with `init_mesh`, which also gives every axis the job's timeout). A common mistake is
 # `(8, 4)`: that is 32 ranks. A mesh bigger than the world raises (above); a smaller one silently
 # leaves ranks out. With `"tp"` as the last axis, each TP group is 4 consecutive ranks, and
 # torchrun numbers the ranks of one node consecutively, so TP never crosses a node:
 
 # %%
-import torch  # noqa: E402
-
 nodes, gpus_per_node, tp = 8, 8, 4
 world = nodes * gpus_per_node
 mesh = torch.arange(world).reshape(world // tp, tp)  # the layout init_device_mesh uses

@@ -4,6 +4,7 @@ Each runs inside a gloo process group started by spawn.run_workers and returns p
 The model and data come from the lab itself, so the lesson studies the code it runs.
 """
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -114,3 +115,101 @@ def bucket_sizes_default_vs_explicit_cap(rank, world_size, dim=256):
             lab.loss_fn(ddp(mine[0]), mine[1]).backward()
         sizes[label] = list(calls)
     return {"sizes": sizes, "first_bucket_cap": dist._DEFAULT_FIRST_BUCKET_BYTES}
+
+
+# ---------------------------------------------------------------- what DDP users run into
+class TwoBranches(torch.nn.Module):
+    """A model with a branch that forward never uses (a frozen head, an if on the input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def unused_parameters(rank, world_size, find_unused, detail=False):
+    """Two steps of a model with an unused branch. Without find_unused_parameters, DDP waits
+    for gradients that never come, and the *next* forward raises."""
+    if detail:  # what TORCH_DISTRIBUTED_DEBUG=DETAIL sets: the error then names parameters
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+    torch.manual_seed(0)
+    model = DDP(TwoBranches(), find_unused_parameters=find_unused)
+    try:
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+    except RuntimeError as exc:
+        lines = str(exc).splitlines()
+        named = [line for line in lines if line.startswith("Parameters which did not receive")]
+        return {"error": lines[0], "named": named[0] if named else None}
+    return {"error": None, "named": None}
+
+
+def batchnorm_buffers(rank, world_size, forward_sync_buffers):
+    """BatchNorm's running mean after 3 steps on each rank's own data, with and without DDP's
+    buffer broadcast at each forward (`forward_sync_buffers`, torch 2.13's name for the
+    deprecated `broadcast_buffers`); and the statistic SyncBatchNorm would use (GPU only),
+    done by hand: one all-reduce of the batch mean, against one process on the whole batch."""
+    torch.manual_seed(0)
+    batches = [torch.randn(8, 4) + 3 * r for r in range(world_size)]  # ranks see different data
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)),
+                forward_sync_buffers=forward_sync_buffers)
+    for _ in range(3):
+        model(batches[rank]).sum().backward()
+    mean = model.module[1].running_mean.clone()
+    gathered = [torch.zeros_like(mean) for _ in range(world_size)]
+    dist.all_gather(gathered, mean)
+    # By hand, the synchronised statistic: the mean over every rank's samples, one all-reduce.
+    hidden = model.module[0](batches[rank]).detach()
+    batch_mean = hidden.mean(0)
+    dist.all_reduce(batch_mean)
+    batch_mean /= world_size
+    whole = model.module[0](torch.cat(batches)).detach().mean(0)
+    return {"running_mean_per_rank": torch.stack(gathered),
+            "sync_by_hand_vs_whole_batch": (batch_mean - whole).abs().max().item()}
+
+
+def uneven_inputs(rank, world_size, use_join):
+    """Rank r has 3 + 2r batches. Without Join the ranks with more batches wait in an all-reduce
+    that the others never start; Join shadows the missing all-reduces for ranks that are done."""
+    from torch.distributed.algorithms.join import Join
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1))
+    batches = [torch.randn(2, 4) for _ in range(3 + 2 * rank)]
+    steps, start = 0, time.perf_counter()
+    try:
+        with Join([model]) if use_join else contextlib.nullcontext():
+            for batch in batches:
+                model(batch).sum().backward()
+                steps += 1
+    except RuntimeError as exc:
+        return {"steps": steps, "error": str(exc).splitlines()[0][:160],
+                "seconds": time.perf_counter() - start}
+    return {"steps": steps, "error": None, "seconds": time.perf_counter() - start}
+
+
+def compressed_allreduce_bytes(rank, world_size, hook_name):
+    """Bytes DDP hands to all_reduce in one backward: the stock hook (fp32 buckets) against
+    bf16_compress_hook (a bf16 copy of each bucket, decompressed after the sum)."""
+    sent = []
+    real_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        sent.append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    model = DDP(_model())
+    hook = {"allreduce": default_hooks.allreduce_hook,
+            "fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook}[hook_name]
+    model.register_comm_hook(dist.group.WORLD, hook)
+    inputs, targets = _global_batch(4 * world_size)
+    dist.all_reduce = recording_all_reduce  # the hooks call torch.distributed.all_reduce
+    try:
+        lab.loss_fn(model(inputs.chunk(world_size)[rank]), targets.chunk(world_size)[rank]).backward()
+    finally:
+        dist.all_reduce = real_all_reduce
+    return {"sent": sent, "grad_bytes": sum(p.numel() * 4 for p in model.parameters())}
