@@ -19,7 +19,7 @@
 #
 # - say exactly what DDP communicates, when, and how much;
 # - average gradients by hand with one collective and show DDP does the same thing;
-# - turn a single-process training script into a DDP one: four changes, read as a diff;
+# - turn a single-process training script into a DDP one: five changes, read as a diff;
 # - run `labs/lab01_ddp.py` on 1, 2 or 4 processes and prove, to 1e-5, that it trains the same
 #   model a single process would;
 # - predict how many all-reduces a step launches from `bucket_cap_mb` and `no_sync()`.
@@ -115,10 +115,10 @@ diff = list(difflib.unified_diff(plain.read_text().splitlines(), ddp.read_text()
                                  "train_plain.py", "train_ddp.py", lineterm="", n=1))
 print("\n".join(diff))
 changed = [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")]
-assert len(plain.read_text().splitlines()) < 50 and len(changed) < 30
+assert len(plain.read_text().splitlines()) < 50 and len(changed) < 35  # docstrings included
 
 # %% [markdown]
-# Read it as four changes (the docstrings aside):
+# Read it as five changes (the docstrings aside):
 #
 # 1. **Start a process group** with an explicit timeout, so a stuck peer becomes an error
 #    instead of a hang (on GPUs: `nccl`, after `torch.cuda.set_device(local_rank)`).
@@ -128,7 +128,12 @@ assert len(plain.read_text().splitlines()) < 50 and len(changed) < 30
 #    `BATCH // world_size`, with `set_epoch(epoch)` every epoch (without it every epoch repeats
 #    the first order: [runbook](../runbooks/dataloader-same-order-every-epoch.md)).
 # 4. **Print and save on rank 0 only**, saving `model.module` so the keys have no `module.`
-#    prefix, and destroy the group at the end.
+#    prefix.
+# 5. **Start and destroy the group outside `main()`**, with `gc.collect()` in between. The DDP
+#    model holds the process group; if it is still alive when the group is destroyed, the rank
+#    can abort at exit with `terminate called without an active exception`. Returning from
+#    `main()` without the `gc.collect()` still did that in 2 of 12 runs here (reference cycles
+#    keep the model alive): [exit hang, cause D](../runbooks/exit-hang.md).
 #
 # Both scripts, run for real: one process on the whole batch, two DDP ranks on half each.
 

@@ -4,6 +4,7 @@
 """
 
 import datetime
+import gc
 import sys
 
 import torch
@@ -23,7 +24,6 @@ def make_dataset(num_samples=512):
 
 
 def main(out_path):
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # nccl on GPUs
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
@@ -43,8 +43,10 @@ def main(out_path):
             print(f"epoch {epoch}: loss {loss.item():.4f}")
     if rank == 0:
         torch.save(model.module.state_dict(), out_path)  # .module: no "module." key prefix
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # nccl on GPUs
+    main(sys.argv[1])  # the DDP model lives in here; it holds the process group, so it must
+    gc.collect()  # be gone (cycles included) before the group is (runbooks/exit-hang.md, D)
+    dist.destroy_process_group()
