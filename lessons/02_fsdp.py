@@ -123,8 +123,11 @@ assert 0.85e9 < block_params < 0.86e9 and 1.55 < 2 * block_params / 2**30 < 1.65
 # rank has a full-size gradient computed on its own data; a **reduce-scatter** sums those
 # gradients across ranks and hands each rank only the rows it owns. The optimizer then updates
 # only the local shard. Below, one linear layer is trained that way by hand on 2 processes,
-# then with `fully_shard`, then in one process on the whole global batch
-# (`lessons/fsdp_workers.py`):
+# then with `fully_shard`, then in one process on the whole global batch. The whole worker
+# (`lessons/fsdp_workers.py`); part (1) is FSDP by hand:
+
+# %%
+print(inspect.getsource(fsdp_workers.shard_by_hand_vs_fully_shard))
 
 # %%
 results = run_workers(fsdp_workers.shard_by_hand_vs_fully_shard, 2, timeout_s=120)
@@ -136,10 +139,112 @@ assert all(r["shard_shape"] == r["fsdp_shard_shape"] == [3, 4] for r in results)
 assert all(r["by_hand_vs_fsdp"] <= 1e-6 and r["by_hand_vs_single"] <= 1e-6 for r in results)
 
 # %% [markdown]
-# Same numbers to float rounding: `fully_shard` is those three collectives plus scheduling
-# (prefetching the next all-gather while the current block computes). Communication per step
-# is one all-gather in forward, one all-gather and one reduce-scatter in backward: about 1.5x
-# the bytes of DDP's all-reduce, traded for 1/N of the memory.
+# Same numbers to float rounding: `fully_shard` is those three collectives plus scheduling.
+#
+# ### One FSDP step, unit by unit
+#
+# FSDP2 labels every phase it runs with `torch.profiler.record_function`
+# (`FSDP::all_gather (layers.0)`, `FSDP::post_backward_reduce (layers.1)`, ...). One step of
+# the lab's model (two blocks, each its own unit, plus the root for embeddings, final norm and
+# output) on 2 gloo ranks, traced (`fsdp_workers.fsdp_step_trace`):
+
+# %%
+trace = run_workers(fsdp_workers.fsdp_step_trace, 2, timeout_s=180)[0]
+
+
+def unit_of(name):
+    """"FSDP::all_gather (layers.0)" -> "layers.0"; unlabelled or "()" -> the root."""
+    inside = name.rsplit("(", 1)[1].rstrip(")") if name.endswith(")") else ""
+    return inside or ("layers." + name.rsplit(".", 1)[1] if " for layers." in name else "root")
+
+
+def phases(events):
+    """(unit, phase, start, end) bars: all-gather (marked prefetch when FSDP issued it ahead
+    of its block in backward), forward and backward compute, free, reduce-scatter."""
+    spans = {}
+    for name, start, end in events:
+        spans.setdefault(name, []).append((start, end))
+    prefetch = [(s, e) for name, ss in spans.items() if "backward_prefetch" in name for s, e in ss]
+    bars = []
+    for name, start, end in events:
+        if not name.startswith("FSDP::"):
+            continue
+        unit, kind = unit_of(name), name.split("::")[1].split(" ")[0]
+        if kind == "all_gather":
+            early = any(s <= start and end <= e for s, e in prefetch)
+            bars.append((unit, "all-gather (prefetch)" if early else "all-gather", start, end))
+        elif kind == "post_backward_reduce":
+            bars.append((unit, "reduce-scatter", start, end))
+        elif kind in ("post_forward", "post_backward_reshard") and unit != "root":
+            bars.append((unit, "free", start, end))  # the root is kept whole: nothing freed
+    for unit in ("layers.0", "layers.1"):  # compute: between FSDP's hooks of that block
+        (_, fwd_start), = spans[f"FSDP::pre_forward ({unit})"]
+        (fwd_end, _), = spans[f"FSDP::post_forward ({unit})"]
+        (_, bwd_start), = spans[f"FSDP::pre_backward ({unit})"]
+        (bwd_end, _), = spans[f"FSDP::post_backward_accumulate ({unit})"]
+        bars += [(unit, "forward", fwd_start, fwd_end), (unit, "backward", bwd_start, bwd_end)]
+    return bars
+
+
+bars = phases(trace["events"])
+colors = {"all-gather": "tab:blue", "all-gather (prefetch)": "tab:cyan", "forward": "tab:green",
+          "backward": "tab:orange", "free": "0.4", "reduce-scatter": "tab:red"}
+units = ["root", "layers.0", "layers.1"]
+fig, ax = plt.subplots(figsize=(8, 2.8))
+for unit, phase, start, end in bars:
+    ax.barh(units.index(unit), max(end - start, 0.15), left=start, color=colors[phase],
+            edgecolor="black", lw=0.3, height=0.7)
+ax.set_yticks(range(len(units)), units, fontsize=10)
+ax.invert_yaxis()
+ax.set_xlabel("ms since the step's first FSDP action (rank 0)", fontsize=10)
+ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], list(colors),
+          ncol=3, fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
+ax.set_title("One FSDP step on 2 CPU ranks (gloo), from torch.profiler", fontsize=11)
+fig.tight_layout()
+plt.show()
+kinds = {(unit, phase) for unit, phase, _, _ in bars}
+assert {("layers.0", "all-gather"), ("layers.1", "all-gather (prefetch)"),
+        ("layers.0", "reduce-scatter"), ("root", "reduce-scatter")} <= kinds
+gathers = {u: sum(1 for unit, phase, _, _ in bars if unit == u and phase.startswith("all-gather"))
+           for u in units}
+assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
+
+# %% [markdown]
+# Read it top to bottom. Each block is all-gathered before its forward and freed right after
+# (the dark sliver); in backward it is all-gathered again, and FSDP issues that all-gather one
+# block *ahead* (`backward_prefetch`, light blue): layers.0's gather is posted while layers.1
+# is still to compute its backward. Each block's gradient is reduce-scattered as soon as its
+# backward is done. The root is gathered once: FSDP keeps it whole from forward to backward,
+# because backward starts with the output projection.
+#
+# What this CPU run cannot show is overlap. On gloo, each collective runs to completion before
+# the next compute starts, so the bars sit side by side. On GPUs, FSDP2 runs all-gathers and
+# reduce-scatters on separate CUDA streams, so the prefetched all-gather does run while the
+# current block computes (`all_gather_stream` and `reduce_scatter_stream` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`, torch 2.13; GPU only, not
+# measured here). The trace also shows one gloo detail: the reduce-scatter is
+# carried out as an all-reduce (`gloo:all_reduce` inside each `post_backward_reduce`).
+#
+# ### FSDP's bytes, counted
+#
+# The lab's `CommCounter` (lesson 03) counts the bytes each rank sends per collective, with
+# the ring factors of lesson 00. Against DDP's all-reduce of the same gradients:
+
+# %%
+n, P, R = 2, trace["param_bytes"], trace["root_param_bytes"]
+gathered = trace["wire_bytes"]["c10d._allgather_base_"]
+scattered = trace["wire_bytes"]["c10d._reduce_scatter_base_"]
+ddp_bytes = trace["ddp_wire_bytes"]
+print(f"all-gathers {gathered:,} B + reduce-scatter {scattered:,} B = {gathered + scattered:,} B "
+      f"sent per rank; DDP's all-reduce {ddp_bytes:,.0f} B; ratio {(gathered + scattered) / ddp_bytes:.3f}")
+# Blocks are gathered twice (forward, backward), the root once; every gradient scattered once.
+assert gathered == (n - 1) / n * (2 * (P - R) + R) and scattered == (n - 1) / n * P
+assert abs((gathered + scattered) / ddp_bytes - (1.5 - R / (2 * P))) < 1e-9
+
+# %% [markdown]
+# So FSDP sends 1.5x DDP's bytes, less half the root's share (the root is gathered once): 1.47x
+# here. The counts are those of a ring (NCCL); gloo's all-reduce-based reduce-scatter sends
+# more on CPU. Traded for 1/N of the memory.
 #
 # ## With PyTorch: fully_shard
 #

@@ -163,6 +163,13 @@ for mb in range(MICRO):
     assert forward[1, mb][0] > forward[0, mb][1] - skew_s
     assert backward[0, mb][0] > backward[1, mb][1] - skew_s
 assert forward[0, 0][0] < 0.5 * forward[1, 0][0] + skew_s  # rank 0 starts first; rank 1 waits
+
+# %% [markdown]
+# The fill-drain shape: rank 1 idles until rank 0's first activation arrives, and rank 0 idles
+# from its last forward until the first gradient comes back; those idle ends are the bubble.
+# (Rank 1's bars are longer because its half holds two of the three linear layers and the
+# loss. The worker runs one untimed forward and backward first: the first backward in a
+# process paid 180 ms of one-off set-up here, which would have hidden everything else.)
 #
 # ## With PyTorch
 #

@@ -102,3 +102,32 @@ def measure_strategies(rank, world_size, names=tuple(STRATEGY_ARGS)):
         del model, optimizer
     results["param_shapes"] = [list(p.shape) for p in lab.build_model(cfg).parameters()]
     return results
+
+
+def fsdp_step_trace(rank, world_size):
+    """One FSDP step of the lab model (after a warm-up step that builds FSDP's buffers), under
+    torch.profiler. FSDP2 labels each phase with record_function ("FSDP::all_gather (layers.0)",
+    "FSDP::post_backward_reduce (layers.1)", ...). Returns this rank's labelled intervals in ms
+    from the step's start, and the bytes it sent per collective (lab03's CommCounter: ring
+    factors, lesson 00), next to the bytes DDP's all-reduce of the same gradients would send."""
+    import lab03_tp_fsdp as lab03  # its CommCounter counts bytes on the wire per rank
+
+    cfg = lab.parse_config(["--steps", "1"])
+    torch.manual_seed(cfg.seed)
+    model, optimizer, mesh, _ = lab.build(cfg, world_size, torch.device("cpu"))
+    batches = lab.micro_batches(cfg, rank, world_size, 0)
+    lab.train_step(model, optimizer, batches, cfg, torch.device("cpu"), None, None)  # warm-up
+    counter = lab03.CommCounter([mesh.get_group(), dist.group.WORLD])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with counter:
+            lab.train_step(model, optimizer, batches, cfg, torch.device("cpu"), None, None)
+    events = [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
+              if e.name.startswith("FSDP::") or e.name.startswith("gloo:")]
+    t0 = min(start for _, start, _ in events)
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # global numel of each DTensor
+    return {"events": [(name, start - t0, end - t0) for name, start, end in events],
+            "wire_bytes": dict(counter.wire_bytes),
+            "ddp_wire_bytes": 2 * (world_size - 1) / world_size * grad_bytes,
+            "root_param_bytes": sum(p.numel() * 4 for n, p in model.named_parameters()
+                                    if not n.startswith("layers.")),
+            "param_bytes": grad_bytes}

@@ -42,6 +42,12 @@ def gpipe_by_hand(rank, world_size, batch_size, num_microbatches):
     x, y = make_batch(batch_size)
     xs, ys = x.chunk(num_microbatches), y.chunk(num_microbatches)
     saved, events, losses = [], [], []
+    # Warm-up, untimed: the first backward in a process pays a one-off set-up (180 ms here),
+    # which would swamp the step. Its gradients are thrown away.
+    warm_input = xs[0] if rank == 0 else torch.zeros(xs[0].shape[0], HIDDEN)
+    warm_output = module(warm_input)
+    warm_output.backward(torch.ones_like(warm_output))  # the same kind of call as below
+    module.zero_grad(set_to_none=True)
     dist.barrier()  # both ranks leave it within a fraction of a millisecond: a common t = 0
     t0 = time.perf_counter()
     for mb in range(num_microbatches):  # forward of every microbatch
