@@ -802,18 +802,20 @@ class CommCounter(CommDebugMode):
     makes the two comparable."""
 
     def __init__(self, groups):
+        """groups: {label: ProcessGroup}, every group the step may use (a mesh axis each)."""
         super().__init__()
-        self.group_sizes = {g.group_name: g.size() for g in groups}
-        self.wire_bytes = Counter()
+        self.groups = {g.group_name: (label, g.size()) for label, g in groups.items()}
+        self.wire_bytes = Counter()           # by op
+        self.wire_bytes_by_group = Counter()  # by (group label, op)
 
-    def group_size(self, args):
+    def group_of(self, args):
         for a in args:
-            if isinstance(a, str) and a in self.group_sizes:  # functional: the group's name
-                return self.group_sizes[a]
+            if isinstance(a, str) and a in self.groups:  # functional: the group's name
+                return self.groups[a]
             if isinstance(a, torch.ScriptObject):  # c10d: the ProcessGroup itself
                 with contextlib.suppress(RuntimeError):  # (the ReduceOp is one too)
-                    return dist.ProcessGroup.unbox(a).size()
-        raise ValueError(f"no process group among the arguments: {args}")
+                    return self.groups[dist.ProcessGroup.unbox(a).group_name]
+        raise ValueError(f"none of the groups given is among the arguments: {args}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = Counter(self.comm_counts)
@@ -821,7 +823,7 @@ class CommCounter(CommDebugMode):
         for op in Counter(self.comm_counts) - before:
             tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
                        if isinstance(t, torch.Tensor)]
-            largest, n, name = max(t.nbytes for t in tensors), self.group_size(args), str(op)
+            (label, n), largest, name = self.group_of(args), max(t.nbytes for t in tensors), str(op)
             if "all_reduce" in name or "allreduce" in name:
                 sent = 2 * (n - 1) / n * largest
             elif name == "c10d_functional.all_gather_into_tensor":  # its input is one shard
@@ -831,6 +833,7 @@ class CommCounter(CommDebugMode):
             else:
                 sent = largest
             self.wire_bytes[name] += int(sent)
+            self.wire_bytes_by_group[f"{label} {name}"] += int(sent)
         return out
 
     def block_counts(self, block_name):
@@ -1012,7 +1015,7 @@ def check_parity(cfg, model, rank, dp_size, device):
 def count_first_step(cfg, model, optimizer, batches, device, rank, world_size, step, mesh):
     """The run's first step under CommCounter and SavedActivationBytes: what one step costs
     a rank."""
-    groups = [mesh["dp"].get_group(), mesh["tp"].get_group(), dist.group.WORLD]
+    groups = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group(), "world": dist.group.WORLD}
     counter, saved = CommCounter(groups), SavedActivationBytes(model)
     with counter:
         loss, data_s = train_step(model, optimizer, batches, cfg, device, cfg.loss_parallel,
@@ -1023,6 +1026,7 @@ def count_first_step(cfg, model, optimizer, batches, device, rank, world_size, s
         "activation_bytes_per_rank": activations,
         "comm_counts_per_step": {str(op): n for op, n in counter.comm_counts.items()},
         "comm_wire_bytes_per_step": dict(counter.wire_bytes),
+        "comm_wire_bytes_per_step_by_group": dict(counter.wire_bytes_by_group),
         "comm_counts_block0": counter.block_counts("layers.0")}
 
 

@@ -396,12 +396,95 @@ assert losses[-1] < 0.7 * losses[0]
 # `--cpu-offload`, `--compile`, and `--checkpoint-dir` with `--stop-at-step` then `--resume` at
 # a different world size: DCP reshards the checkpoint on load.
 #
-# On CPU, `--mixed-precision bf16` works (gloo all-gathers bf16 tensors); whether it is faster
-# depends on the CPU having bf16 matrix units, and on this course's tiny model it is not. It
-# needs no autocast: the parameters themselves are bf16 inside forward and backward, and the
-# shared model keeps q and k in their input dtype after applying the fp32 RoPE tables.
+# ### What each flag costs, measured
+#
+# One row per flag, 2 ranks, the lab's model (`fsdp_workers.flag_matrix_row`): the bytes each
+# rank holds after a step, the bytes it sends per step, the activations autograd keeps for
+# backward, the dtypes inside forward (of `layers.0.feed_forward.w1`'s weight and output), and
+# the time of the first step and the median of five more.
+
+# %%
+rows = {label: run_workers(fsdp_workers.flag_matrix_row, 2, label, timeout_s=300)[0]
+        for label in fsdp_workers.FLAG_ROWS}
+print(f"{'flags':28s}{'state B':>9s}{'all-gather B':>13s}{'red.-scatter B':>15s}"
+      f"{'saved act. B':>13s}{'weight / act.':>17s}{'1st step':>10s}{'step':>8s}")
+for label, r in rows.items():
+    state = sum(r["state"].values())
+    print(f"{label:28s}{state:9,d}{r['wire_bytes']['c10d._allgather_base_']:13,d}"
+          f"{r['wire_bytes']['c10d._reduce_scatter_base_']:15,d}"
+          f"{r['saved_activation_bytes']:13,d}"
+          f"{r['dtypes']['weight'] + ' / ' + r['dtypes']['activation']:>17s}"
+          f"{r['first_step_s'] * 1e3:8.0f} ms{r['step_s'] * 1e3:6.1f} ms")
+base = rows["fp32 (default)"]
+gather = {label: r["wire_bytes"]["c10d._allgather_base_"] for label, r in rows.items()}
+assert all(r["state"] == base["state"] for r in rows.values())  # sharded state: always fp32
+assert gather["--mixed-precision bf16"] * 2 == gather["fp32 (default)"] == gather["--amp bf16"]
+assert all(r["wire_bytes"]["c10d._reduce_scatter_base_"] == base["wire_bytes"]["c10d._reduce_scatter_base_"]
+           for r in rows.values())  # reduce_dtype fp32: gradients travel in fp32 in every row
+assert rows["--amp bf16"]["dtypes"] == {"weight": "float32", "activation": "bfloat16"}
+assert rows["--mixed-precision bf16"]["dtypes"] == {"weight": "bfloat16", "activation": "bfloat16"}
+assert rows["--activation-checkpointing"]["saved_activation_bytes"] < base["saved_activation_bytes"] / 5
+assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
+
+# %% [markdown]
+# What the table says, row by row:
+#
+# - **`--amp bf16`** is autocast (as in lab01): the weights stay fp32 in forward and each
+#   matmul casts its inputs to bf16, so the *activations* are bf16 (fewer saved bytes), while
+#   FSDP still all-gathers fp32 weights: no fewer bytes on the wire.
+# - **`--mixed-precision bf16`** is FSDP's own `MixedPrecisionPolicy(param_dtype=bfloat16,
+#   reduce_dtype=float32)`: FSDP casts each shard to bf16 *before* the all-gather, so the
+#   gathers carry half the bytes and the block computes in bf16; gradients are still
+#   reduce-scattered in fp32, and the sharded parameters and AdamW state stay fp32. It needs no
+#   autocast: the parameters themselves are bf16 inside forward and backward.
+# - **`--activation-checkpointing`** keeps only each block's input and recomputes the rest in
+#   backward: the saved bytes fell by about 9x in the run that built this page (asserted:
+#   more than 5x), for one extra forward of each block. The
+#   parameters are already gathered for backward when the recompute runs, so no bytes are added.
+# - **`--cpu-offload`** keeps the sharded state and the optimizer step on the CPU and copies
+#   each unit to the GPU for its all-gather. On a CPU-only machine there is nowhere to offload
+#   from: the row measures the same bytes as the default, and says nothing about its GPU cost.
+# - **`--compile`** (inductor, per block) pays its compile in the first step and changes
+#   neither bytes nor saved activations; on this tiny CPU model the steady step barely moves.
+#   lesson 06 measures it where compute dominates.
+#
+# The step times are this 2-core machine's, with a model this small that Python overhead and
+# gloo dominate; they are printed, not asserted, except that compiling costs more than it saves
+# in one step.
+#
+# **HSDP bytes per mesh axis.** With `--hsdp 2` on 4 ranks, the all-gathers and
+# reduce-scatters stay inside each shard group (the fast, intra-node axis); only an all-reduce
+# of the gradient *shards* crosses the replicate axis:
+
+# %%
+hsdp = run_workers(fsdp_workers.flag_matrix_row, 4, "--hsdp 2", timeout_s=300)[0]
+for key, sent in sorted(hsdp["wire_bytes_by_group"].items()):
+    print(f"{key:40s} {sent:9,d} B per rank per step")
+shard_bytes = hsdp["state"]["grads"]  # the gradient shard this rank owns
+by_axis = hsdp["wire_bytes_by_group"]
+assert by_axis["dp_shard c10d._allgather_base_"] == gather["fp32 (default)"]
+assert by_axis["dp_shard c10d._reduce_scatter_base_"] == base["wire_bytes"]["c10d._reduce_scatter_base_"]
+assert by_axis["dp_replicate c10d.allreduce_"] == 2 * (2 - 1) / 2 * shard_bytes
+assert not any(key.startswith("dp_replicate") and "gather" in key for key in by_axis)
+
+# %% [markdown]
+# Each rank sends the same all-gather and reduce-scatter bytes as plain FSDP over 2 ranks, plus
+# an all-reduce of its 1/2 shard across the 2 replicas: 2 (R-1)/R x shard bytes, for R = 2
+# replicas. Put the replicate axis across nodes and only that all-reduce crosses them.
 #
 # ## FSDP1 to FSDP2
+#
+# A migration you can run needs FSDP1 to run, and on this CPU-only machine it does not: its
+# constructor asks for an accelerator. (Passing `device_id=torch.device("cpu")` instead crashed
+# the process with SIGSEGV here, torch 2.13.) So FSDP1's side of the table below is GPU only,
+# not executed in CI:
+
+# %%
+fsdp1 = run_workers(fsdp_workers.fsdp1_refuses_cpu, 2, timeout_s=120)[0]
+print("FullyShardedDataParallel(model) on CPU:", fsdp1)
+assert fsdp1 == "FSDP needs a non-CPU accelerator device, but no accelerator device is detected."
+
+# %% [markdown]
 #
 # | FSDP1 (`FullyShardedDataParallel`) | FSDP2 (`fully_shard`, torch >= 2.6) |
 # |---|---|

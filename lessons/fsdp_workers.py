@@ -6,6 +6,7 @@ measures the code the lab runs.
 """
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -117,7 +118,7 @@ def fsdp_step_trace(rank, world_size):
     model, optimizer, mesh, _ = lab.build(cfg, world_size, torch.device("cpu"))
     batches = lab.micro_batches(cfg, rank, world_size, 0)
     lab.train_step(model, optimizer, batches, cfg, torch.device("cpu"), None, None)  # warm-up
-    counter = lab03.CommCounter([mesh.get_group(), dist.group.WORLD])
+    counter = lab03.CommCounter({"dp": mesh.get_group(), "world": dist.group.WORLD})
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with counter:
             lab.train_step(model, optimizer, batches, cfg, torch.device("cpu"), None, None)
@@ -131,3 +132,65 @@ def fsdp_step_trace(rank, world_size):
             "root_param_bytes": sum(p.numel() * 4 for n, p in model.named_parameters()
                                     if not n.startswith("layers.")),
             "param_bytes": grad_bytes}
+
+
+# The flags a lab02 user reaches for, one row each (lesson 02's table).
+FLAG_ROWS = {
+    "fp32 (default)": [],
+    "--amp bf16": ["--amp", "bf16"],
+    "--mixed-precision bf16": ["--mixed-precision", "bf16"],
+    "--activation-checkpointing": ["--activation-checkpointing"],
+    "--cpu-offload": ["--cpu-offload"],
+    "--compile": ["--compile"],
+}
+
+
+def flag_matrix_row(rank, world_size, label, timed_steps=5):
+    """One row of lab02 flags (FLAG_ROWS, or flags given as the label): the bytes this rank
+    holds after a step, the bytes it sends per step (per mesh axis), the activations autograd
+    saves, the dtypes inside forward, the first step's time (compilation, for --compile) and
+    the median of the next steps. One row per set of processes: a second mesh over the same
+    ranks would reuse the first one's groups, and the counter must know every group."""
+    import lab03_tp_fsdp as lab03  # CommCounter and SavedActivationBytes
+
+    device = torch.device("cpu")
+    cfg = lab.parse_config([*FLAG_ROWS.get(label, label.split()), "--steps", "1"])
+    torch.manual_seed(cfg.seed)
+    model, optimizer, mesh, _ = lab.build(cfg, world_size, device)
+    amp = torch.bfloat16 if lab.resolve_amp(cfg, "cpu") == "bf16" else None
+    batches = lab.micro_batches(cfg, rank, world_size, 0)
+    seen = {}
+    hook = model.layers["0"].feed_forward.w1.register_forward_hook(
+        lambda mod, args, out: seen.update(weight=str(mod.weight.dtype)[6:],
+                                           activation=str(out.dtype)[6:]))
+    t0 = time.perf_counter()
+    lab.train_step(model, optimizer, batches, cfg, device, amp, None)  # compiles, if asked
+    first_s = time.perf_counter() - t0
+    hook.remove()
+    groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
+    counter = lab03.CommCounter({**groups, "world": dist.group.WORLD})
+    saved, probe = lab03.SavedActivationBytes(model), {}
+    with counter, saved:
+        lab.train_step(model, optimizer, batches, cfg, device, amp, probe)
+    times = []
+    for _ in range(timed_steps):
+        t0 = time.perf_counter()
+        lab.train_step(model, optimizer, batches, cfg, device, amp, None)
+        times.append(time.perf_counter() - t0)
+    return {"state": {k: probe[k] for k in ("params", "grads", "optimizer")},
+            "wire_bytes": dict(counter.wire_bytes),
+            "wire_bytes_by_group": dict(counter.wire_bytes_by_group),
+            "saved_activation_bytes": saved.total, "dtypes": seen,
+            "sharded_param_dtype": str(next(model.parameters()).dtype)[6:],
+            "first_step_s": first_s, "step_s": sorted(times)[len(times) // 2]}
+
+
+def fsdp1_refuses_cpu(rank, world_size):
+    """FSDP1 (FullyShardedDataParallel) on a CPU-only machine: the error its constructor raises."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    try:
+        FullyShardedDataParallel(torch.nn.Linear(4, 4))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
