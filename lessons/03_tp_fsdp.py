@@ -456,7 +456,8 @@ for t in (2, 4):
           f"(difference {sp_bytes - tp_bytes:,.0f} B; norm weight grads {norm_grads:,.0f} B)")
     assert abs(sp_bytes - tp_bytes - norm_grads) <= 64  # a few 4-byte scalars of grad norms
     assert abs(sp_bytes / tp_bytes - 1) < 0.01
-#
+
+# %% [markdown]
 # ## A worked cluster plan
 #
 # 8 nodes x 8 GPUs = 64 ranks, tp = 4. The mesh must cover every rank: dp = 64 / 4 = 16, so
