@@ -1,0 +1,61 @@
+"""What each lab's docstring promises about its own run, checked against a real run; and two
+small pieces of the shared code whose effect only shows on a GPU or in `make course`."""
+
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher import LABS, REPO, load_script, run_lab
+
+sys.path.insert(0, str(REPO / "tools"))
+LAB_PATHS = sorted(LABS.glob("lab[0-9][0-9]_*.py"))
+EXPECTED = re.compile(r"^    (done \| (lab\w+) \| gloo x(\d+) \| (\d+) steps \| loss (\d\.\d+)\.\.\. \|"
+                      r" parity (\S+) \| \.\.\.)$", re.M)
+
+
+def expected_line(lab_path):
+    found = EXPECTED.findall(lab_path.read_text())
+    assert len(found) == 1, f"{lab_path.name}: one 'Expected last line' in the docstring"
+    line, name, nproc, steps, loss_prefix, parity = found[0]
+    assert name == lab_path.stem
+    return int(nproc), int(steps), loss_prefix, parity
+
+
+@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
+def test_docstring_expected_last_line_matches_a_run(lab_path, tmp_path):
+    """The docstring's run (the defaults plus --check-parity, at its world size) ends with the
+    loss it shows, to the digits it shows, and the parity it states is within the limit."""
+    nproc, steps, loss_prefix, parity = expected_line(lab_path)
+    proc, metrics = run_lab(lab_path.stem, nproc, ["--check-parity"], tmp_path, timeout=300)
+    done = [line for line in proc.stdout.splitlines() if line.startswith("done | ")][-1]
+    assert f"| gloo x{nproc} | {steps} steps | loss {loss_prefix}" in done, done
+    assert float(parity) <= metrics["parity_tol"] and metrics["parity_max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
+def test_step_time_waits_for_the_gpu(lab_path, monkeypatch):
+    """On CUDA the step time is taken after torch.cuda.synchronize: without it a step measures
+    the CPU's dispatch of asynchronous kernels. Driven by a fake device, on CPU."""
+    lab = load_script(lab_path)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    lab.seconds_since(0.0, torch.device("cpu"))
+    assert calls == []
+    cuda = types.SimpleNamespace(type="cuda")
+    lab.seconds_since(0.0, cuda)
+    assert calls == [cuda]
+
+
+def test_course_runner_prints_the_summary_line_not_a_later_warning(tmp_path):
+    import course
+
+    log = tmp_path / "lab.log"
+    log.write_text("step 40 | loss 0.5\ndone | lab03_tp_fsdp | gloo x2 | 40 steps | loss 0.46\n"
+                   "[rank0]:W... 2 sequential all_reduce operations will be performed\n")
+    assert course.summary_of(log) == "done | lab03_tp_fsdp | gloo x2 | 40 steps | loss 0.46"
+    log.write_text("Traceback ...\n")
+    assert course.summary_of(log).startswith("(no summary line")
