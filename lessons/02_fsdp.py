@@ -485,6 +485,43 @@ print("FullyShardedDataParallel(model) on CPU:", fsdp1)
 assert fsdp1 == "FSDP needs a non-CPU accelerator device, but no accelerator device is detected."
 
 # %% [markdown]
+# The migration itself, as a diff: `lessons/fsdp1_train.py` is an FSDP1 script of the usual
+# shape (an auto-wrap policy, `ShardingStrategy.FULL_SHARD`, `MixedPrecision`, a full state dict
+# gathered on rank 0), and `lessons/fsdp2_train.py` is its FSDP2 port:
+
+# %%
+import difflib  # noqa: E402
+
+fsdp1_path, fsdp2_path = (ROOT / "lessons" / n for n in ("fsdp1_train.py", "fsdp2_train.py"))
+print("\n".join(difflib.unified_diff(fsdp1_path.read_text().splitlines(),
+                                     fsdp2_path.read_text().splitlines(),
+                                     "fsdp1_train.py", "fsdp2_train.py", lineterm="", n=1)))
+
+# %% [markdown]
+# The port runs here. In fp32 it must train what one process trains (the same script on one
+# rank), to 1e-5; with the default bf16 policy it runs too (gloo all-gathers bf16):
+
+# %%
+port_dir = Path(tempfile.mkdtemp(prefix="lesson02-port-"))
+port_env = {**os.environ, "OMP_NUM_THREADS": "1"}
+for nproc, dtype in ((2, "float32"), (1, "float32"), (2, "bfloat16")):
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", str(nproc), str(fsdp2_path),
+                    str(port_dir / f"{dtype}-{nproc}.pt"), "--param-dtype", dtype],
+                   check=True, timeout=180, env=port_env, capture_output=True)
+two, one = (torch.load(port_dir / f"float32-{n}.pt", weights_only=True) for n in (2, 1))
+port_parity = max((two[k] - one[k]).abs().max().item() for k in one)
+print(f"FSDP2 port, fp32, 2 ranks against 1: max |param diff| {port_parity:.1e}; "
+      f"keys {list(one)[:3]} ... ({len(one)})")
+assert two.keys() == one.keys() and port_parity <= 1e-5
+assert (port_dir / "bfloat16-2.pt").exists()
+
+# %% [markdown]
+# Against FSDP1 itself the comparison needs GPUs: `tests/test_fsdp_migration.py` runs both
+# scripts on 2 GPUs in fp32 and compares every parameter within 1e-5 (GPU only, skipped with
+# its reason on this machine, so not executed in CI). The state-dict keys are the same in both
+# (`0.norm.weight`, ...): FSDP1's full state dict strips its wrapper prefixes, and
+# `get_model_state_dict` returns the model's own names.
 #
 # | FSDP1 (`FullyShardedDataParallel`) | FSDP2 (`fully_shard`, torch >= 2.6) |
 # |---|---|
