@@ -41,11 +41,10 @@ Use it in your project:
     keyed by index (names stay the whole model's) and a forward that skips a None embedding,
     norm or output; `loss_fn()` (the schedule calls it per microbatch, on the last stage
     only); `SyntheticSequences`.
-  - Keep: `stage_ids_for_rank()`; the ("pp", "dp") mesh of `build_pipeline()` (stages
-    across nodes, each FSDP group inside one; sends on the "pp" group only); `train_step()`:
-    inputs to the first stage, target and losses to the last, one all-reduce for the logged
-    loss; `clip_grad_norm()` across stages; checkpoints keyed by whole-model names (any pp
-    or dp).
+  - Keep: `stage_ids_for_rank()`; the ("pp", "dp") mesh of `build_pipeline()` (stages across
+    nodes, sends on "pp" only); `train_step()`: inputs to the first stage, target and losses
+    to the last, one all-reduce for the logged loss; `clip_grad_norm()` across stages;
+    checkpoints keyed by whole-model names (any pp or dp).
   - Pitfalls: stages split `--num-layers` evenly, but the first and last also hold embedding
     and output: balance by cost. Bubble (pp-1)/(m+pp-1) for GPipe and 1F1B
     (`bubble_formula()`): more `--microbatches` shrink it, but GPipe keeps all m in memory

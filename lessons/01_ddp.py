@@ -370,7 +370,7 @@ else:
         assert "expected input tensor to be on GPU" in str(exc)
 
 # %% [markdown]
-# ### Uneven inputs: `Join`
+# ### Uneven inputs and Join
 #
 # If ranks run different numbers of batches (an `IterableDataset` split by files, a custom
 # sampler), the rank with more batches waits in an all-reduce that the others never start. Here

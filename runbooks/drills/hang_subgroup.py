@@ -63,6 +63,12 @@ def init_mesh(device_type, mesh_shape, mesh_dim_names, timeout):
     return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=mesh_dim_names)
 
 
+def say(line):
+    """One write per line: four ranks share the pipe, and print() writes the newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def group_timeout(group):
     """The timeout a group's gloo backend really uses (there is no public getter)."""
     return group._get_backend(torch.device("cpu")).options._timeout
@@ -80,23 +86,23 @@ def main(argv=None):
     else:
         mesh = init_mesh("cpu", MESH_SHAPE, MESH_DIM_NAMES, timeout)
     timeouts = {name: str(group_timeout(mesh[name].get_group())) for name in MESH_DIM_NAMES}
-    print(f"rank {rank}: default group {group_timeout(dist.group.WORLD)} | "
-          + " | ".join(f"axis {n} {t}" for n, t in timeouts.items()), flush=True)
+    say(f"rank {rank}: default group {group_timeout(dist.group.WORLD)} | "
+        + " | ".join(f"axis {n} {t}" for n, t in timeouts.items()))
     tp_group = mesh["tp"].get_group()
     tp_ranks = dist.get_process_group_ranks(tp_group)
     if rank == args.stall_rank:
-        print(f"rank {rank}: stalling {args.stall_s:.0f} s", flush=True)
+        say(f"rank {rank}: stalling {args.stall_s:.0f} s")
         time.sleep(args.stall_s)
     start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1), group=tp_group)
     except RuntimeError as exc:
         # Name what was waited for: gloo's own message says only "recv" and the milliseconds.
-        print(f"rank {rank}: all_reduce on mesh axis 'tp' (ranks {tp_ranks}) failed after "
-              f"{time.monotonic() - start:.1f} s: {str(exc).splitlines()[0]}", flush=True)
+        say(f"rank {rank}: all_reduce on mesh axis 'tp' (ranks {tp_ranks}) failed after "
+            f"{time.monotonic() - start:.1f} s: {str(exc).splitlines()[0]}")
         sys.exit(1)
-    print(f"rank {rank}: all_reduce on mesh axis 'tp' (ranks {tp_ranks}) returned after "
-          f"{time.monotonic() - start:.1f} s", flush=True)
+    say(f"rank {rank}: all_reduce on mesh axis 'tp' (ranks {tp_ranks}) returned after "
+        f"{time.monotonic() - start:.1f} s")
     dist.destroy_process_group()
 
 
