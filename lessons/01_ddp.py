@@ -139,11 +139,14 @@ assert len(plain.read_text().splitlines()) < 50 and len(changed) < 35  # docstri
 
 # %%
 diff_dir = Path(tempfile.mkdtemp(prefix="lesson01-diff-"))
-subprocess.run([sys.executable, str(plain), str(diff_dir / "plain.pt")], check=True,
-               timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", str(ddp), str(diff_dir / "ddp.pt")], check=True,
-               timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+for label, command in (("one process", [str(plain)]),
+                       ("DDP, 2 ranks", ["-m", "torch.distributed.run", "--standalone",
+                                         "--nproc-per-node", "2", str(ddp)])):
+    out = diff_dir / ("plain.pt" if label == "one process" else "ddp.pt")
+    proc = subprocess.run([sys.executable, *command, str(out)], check=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True)
+    print(f"{label}: " + " | ".join(proc.stdout.split("\n")[:-1]))
 plain_state = torch.load(diff_dir / "plain.pt", weights_only=True)
 ddp_state = torch.load(diff_dir / "ddp.pt", weights_only=True)
 script_parity = max((plain_state[k] - ddp_state[k]).abs().max().item() for k in plain_state)
