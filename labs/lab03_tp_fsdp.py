@@ -951,8 +951,8 @@ def train_step(model, optimizer, batches, cfg, device, parallel_loss, step, prob
     """Optimizer step `step` (1-based), of grad_accum micro-steps. Returns (loss, data-wait
     seconds)."""
     data_s, total_loss = 0.0, 0.0
-    # bf16: FSDP already gathers bf16 weights; autocast also keeps attention in one dtype (the
-    # shared model's fp32 RoPE tables would otherwise promote q and k but not v).
+    # bf16: FSDP already gathers bf16 weights. Autocast is kept as in lab01 (--amp); it once
+    # also stopped the fp32 RoPE tables promoting q and k, which apply_rope's type_as now does.
     bf16 = resolve_amp(cfg, device.type) == "bf16"
     for micro in range(cfg.grad_accum):
         t0 = time.perf_counter()

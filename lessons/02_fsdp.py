@@ -527,7 +527,7 @@ assert (port_dir / "bfloat16-2.pt").exists()
 # |---|---|
 # | `FSDP(model, auto_wrap_policy=transformer_auto_wrap_policy(...))` | `fully_shard(block)` for each block, then `fully_shard(model)` |
 # | one `FlatParameter` per wrapped unit | each parameter a `DTensor` with `Shard(0)` |
-# | `ShardingStrategy.FULL_SHARD` | `reshard_after_forward=True` (default) |
+# | `ShardingStrategy.FULL_SHARD` | `reshard_after_forward=True` (the default `None` means `True` except for the root, which stays gathered) |
 # | `ShardingStrategy.SHARD_GRAD_OP` | `reshard_after_forward=False` |
 # | `ShardingStrategy.HYBRID_SHARD` | a 2D mesh `(replicate, shard)`: `init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("dp_replicate", "dp_shard"))` |
 # | `ShardingStrategy.NO_SHARD` | a mesh whose shard dimension has size 1, or DDP |

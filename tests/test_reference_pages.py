@@ -384,3 +384,14 @@ def test_pages_show_no_path_of_the_machine_they_were_written_on():
                               *REPO.glob("lessons/*.py"), REPO / "README.md"]
                  for marker in here if marker in page.read_text()]
     assert offenders == []
+
+
+def test_reshard_after_forward_defaults_to_none_true_except_the_root():
+    """#97: the signature's default is None, documented as True for non-root, False for root."""
+    from torch.distributed.fsdp import fully_shard
+
+    assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+    doc = squash(fully_shard.__doc__)
+    assert "If ``None``, it is set to ``True`` for non-root modules and ``False`` for root modules." in doc
+    glossary = squash((REFERENCE / "glossary.md").read_text())
+    assert "The default, `None`, means `True` for every module but the root" in glossary

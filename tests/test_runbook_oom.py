@@ -381,3 +381,23 @@ def test_nccl_groups_take_device_memory_the_allocator_does_not_see():
     out = cuda_drill("groups", nproc=1)
     grown = float(re.search(r"device_memory_growth_mib ([\d.]+)", out).group(1))
     assert grown > 0
+
+
+def test_a_pure_bf16_lab_model_trains_a_step():
+    """#93: apply_rope keeps q and k in their input dtype, so a model cast to bf16 runs (the
+    runbook used to say SDPA rejects it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lab01_ddp", REPO / "labs" / "lab01_ddp.py")
+    lab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab)
+    cfg = lab.parse_config([])
+    model = lab.build_model(cfg)
+    model.init_weights(cfg.seed)
+    model = model.to(torch.bfloat16)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    logits = model(tokens)
+    lab.loss_fn(logits, tokens).backward()
+    assert logits.dtype == torch.bfloat16
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    assert "SDPA rejects" not in page("oom-mitigations.md")
