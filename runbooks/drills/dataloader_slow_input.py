@@ -2,7 +2,9 @@
 
 Each sample costs --io-ms of latency (time.sleep stands in for a read from network storage or a
 remote bucket; it uses no CPU, like real I/O waits), and every worker process pays --open-ms
-once when it first touches the data (opening shard files or a connection). The model trains
+once when it first touches the data (opening shard files or a connection). Each step's compute
+lasts at least --compute-ms (40 ms: a sleep tops up the tiny model's real step), so how much
+loading the workers can hide does not depend on how fast this CPU is. The model trains
 with DDP. For each DataLoader configuration the drill measures, on every rank, the share of
 the step spent waiting for data, with the same definition as the labs' log line "data N%":
 
@@ -14,8 +16,8 @@ Run (CPU + gloo, or GPUs + nccl; a world of one without torchrun):
     python runbooks/drills/dataloader_slow_input.py --configs 0 2:2
 Each --configs entry is WORKERS[:PREFETCH[:persistent]], e.g. 0, 4:2, 2:1, 4:2:persistent.
 Output: one line per configuration and rank, e.g. (2-core CPU machine, gloo):
-    workers 0 | prefetch - | persistent no  | rank 0 | step 154.7 ms | data 59% | epoch start 98 ms
-    workers 4 | prefetch 2 | persistent no  | rank 0 | step 60.7 ms | data 10% | epoch start 654 ms
+    workers 0 | prefetch - | persistent no  | rank 0 | step 106.8 ms | data 62% | epoch start 66 ms
+    workers 4 | prefetch 2 | persistent no  | rank 0 | step 40.8 ms | data 2% | epoch start 570 ms
 """
 
 import argparse
@@ -91,14 +93,18 @@ def parse_args(argv=None):
     p.add_argument("--open-ms", type=float, default=500.0,
                    help="one-off cost for each process that opens the data, in ms")
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
-    p.add_argument("--dim", type=int, default=256, help="model width (sets compute per step)")
+    p.add_argument("--dim", type=int, default=256, help="model width")
+    p.add_argument("--compute-ms", type=float, default=40.0,
+                   help="each step's compute lasts at least this long (the rest is a sleep): "
+                        "the GPU's share of a real step, so the drill means the same on a fast "
+                        "or a slow CPU")
     p.add_argument("--epochs", type=int, default=2, help="epochs per configuration (>= 2)")
     p.add_argument("--steps-per-epoch", type=int, default=8, help="steps in one epoch")
     p.add_argument("--timeout-s", type=float, default=60.0,
                    help="init_process_group and DataLoader timeout, in seconds")
     p.add_argument("--json-out", default="", help="write every rank's measurements here (rank 0)")
     args = p.parse_args(argv)
-    for name in ["io_ms", "open_ms"]:
+    for name in ["io_ms", "open_ms", "compute_ms"]:
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.steps_per_epoch < 2:
@@ -147,6 +153,9 @@ def measure(loader_kwargs, args, model, optimizer, rank, world_size, device):
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()  # only so the wall clock sees the kernels finish
+            # The model is tiny, so pad its compute to --compute-ms: without a floor the step's
+            # length, and with it how much loading the workers can hide, is the CPU's speed.
+            time.sleep(max(0.0, args.compute_ms / 1e3 - (time.perf_counter() - t0)))
             t_compute = time.perf_counter() - t0
             if i == 0:
                 # The first batch of an epoch waits for (re)started workers: report it apart.

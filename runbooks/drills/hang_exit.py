@@ -73,10 +73,15 @@ def ddp_outlives_group(rank, fixed, exit_deadline_s):
     if rank == 1:
         time.sleep(1.0)  # a slower rank: rank 0's last collective is still in flight below
     # A last async collective whose tensor only gloo's worker thread still references.
-    dist.all_reduce(torch.ones(1 << 20), async_op=True)
+    pending = dist.all_reduce(torch.ones(1 << 20), async_op=True)
     if fixed:
+        # Nothing may be in flight when the group goes: a pending collective keeps the group
+        # alive too, and its last reference then dies on gloo's own worker thread (without
+        # this wait the fixed case still aborted in 1 of 12 runs).
+        pending.wait()
         del model
         gc.collect()  # DDP sits in reference cycles: del alone does not free its Reducer
+    del pending  # the broken case drops it at once, still in flight
     dist.destroy_process_group()
     print(f"rank {rank}: training done, process group destroyed, exiting", flush=True)
     # Turn a hang at exit into an error naming it (prints every thread's stack, exit 1).
