@@ -11,10 +11,10 @@ Four ranks form a (dp, tp) = (2, 2) mesh. Every rank prints the timeout of each 
 --stall-rank sleeps --stall-s seconds while the others all_reduce over their "tp" group.
   --mesh init_device_mesh   the axes report 0:30:00; the all_reduce simply waits out the stall
                             (no error at all, however long it is below 30 min)
-  --mesh with-timeout       the fix: each axis built with new_subgroups_by_enumeration(
-                            timeout=...) and wrapped in DeviceMesh.from_group (the labs'
-                            init_mesh); the waiting ranks fail after --timeout-s with an error
-                            that names the axis it waited on
+  --mesh with-timeout       the fix, the labs' init_mesh (imported from lab03): each axis
+                            built with new_subgroups_by_enumeration(timeout=...) and wrapped
+                            in DeviceMesh.from_group; the waiting ranks fail after
+                            --timeout-s with an error that names the axis it waited on
 
 Run (CPU, gloo; the NCCL default would be 10 min, GPU only and not executed in CI):
     torchrun --standalone --nproc-per-node 4 runbooks/drills/hang_subgroup.py --mesh init_device_mesh
@@ -27,10 +27,14 @@ import datetime
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "labs"))
+from lab03_tp_fsdp import init_mesh  # noqa: E402  (the fix, exactly as the labs run it)
 
 MESH_SHAPE, MESH_DIM_NAMES = (2, 2), ("dp", "tp")
 
@@ -49,18 +53,6 @@ def parse_args(argv=None):
         parser.exit(2, "hang_subgroup.py: error: need --timeout-s > 0, --stall-s >= 0, "
                        "0 <= --stall-rank < 4\n")
     return args
-
-
-def init_mesh(device_type, mesh_shape, mesh_dim_names, timeout):
-    """The fix, as in labs/lab02-04 (`init_mesh`): every axis's groups get the timeout."""
-    ranks = torch.arange(math.prod(mesh_shape)).view(mesh_shape)
-    groups = []
-    for dim, name in enumerate(mesh_dim_names):
-        rows = ranks.movedim(dim, -1).reshape(-1, mesh_shape[dim]).tolist()
-        group, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout,
-                                                     group_desc=f"mesh_{name}")
-        groups.append(group)
-    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=mesh_dim_names)
 
 
 def say(line):
