@@ -9,6 +9,7 @@ import html.parser
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,6 +156,21 @@ def test_numbered_lists_render_as_one_list_item_per_number(site):
         if got != expected:
             broken.append(f"{source.name}: {expected} numbered lines, {got} list items")
     assert broken == []
+
+
+def accidental_headings(markdown):
+    """Prose lines that start with "#<digit>" (an issue number wrapped onto a new line):
+    Markdown renders each as a heading."""
+    prose = re.sub(r"^ *```.*?^ *```", "", markdown, flags=re.S | re.M)
+    return re.findall(r"^#\d.*$", prose, re.M)
+
+
+def test_no_issue_number_wraps_into_a_heading():
+    pages = [*sorted((REPO / "runbooks").glob("*.md")), *sorted((REPO / "docs").rglob("*.md"))]
+    found = {p.name: accidental_headings(p.read_text()) for p in pages}
+    assert {name: lines for name, lines in found.items() if lines} == {}
+    assert accidental_headings("see PR\n#142260, merged\n```\n#0 frame\n```\n") == [
+        "#142260, merged"]
 
 
 def test_list_check_catches_a_list_broken_by_a_code_block():

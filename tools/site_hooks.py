@@ -21,6 +21,7 @@ from mkdocs.structure.files import File
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
 import decision_guide  # noqa: E402  (tools/decision_guide.py)
+import error_index  # noqa: E402  (tools/error_index.py)
 import verified  # noqa: E402  (tools/verified.py)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,13 @@ def torchrun_flags_page():
             "that are resolved later.\n\n" + "\n".join(rows) + "\n")
 
 
+def error_messages_script():
+    """The error index's stable substrings, longest first, for the search box: a pasted log
+    line is searched for the known message it contains (docs/javascripts/search-log-line.js)."""
+    messages = sorted({e.message for e in error_index.parse_index()}, key=len, reverse=True)
+    return f"window.courseErrorMessages = {json.dumps(messages, indent=0)};\n"
+
+
 def add_generated(files, config, src_uri, content):
     files.append(File.generated(config, src_uri, content=content))
 
@@ -130,6 +138,7 @@ def on_files(files, config):
     add_generated(files, config, "labs/index.md", labs_index())
     add_generated(files, config, "reference/torchrun-flags.md", torchrun_flags_page())
     add_generated(files, config, "reference/which-parallelism.md", decision_guide.page())
+    add_generated(files, config, "javascripts/error-messages.js", error_messages_script())
     for page in [ROOT / "runbooks" / "index.md", *runbook_paths()]:
         if page.exists():
             files.append(File(f"runbooks/{page.name}", str(ROOT), config.site_dir,
