@@ -21,14 +21,19 @@ INDEX = ROOT / "runbooks" / "errors.md"
 SOURCE_TABLE_HEADING = "## Quoted from source: GPU-only and older releases"
 
 # What makes a line or code span an error message rather than prose or a command.
-ERROR_WORDS = re.compile(r"Error\b|Error:|error:|failed|Timed out|timed out|Exception|"
-                         r"terminate called|killed by signal|exited unexpectedly|WARN|"
+ERROR_WORDS = re.compile(r"Error\b|Error:|error:|\bfailed\b|Timed out|timed out|Exception|"
+                         r"terminate called|killed by signal|exited unexpectedly|\bWARN\b|"
                          r"Expected to have|out of memory|Too many open files|No space left")
-# Lines of an unlabelled block that are commands, not output.
+# Lines of an unlabelled block that are commands, code or traceback frames, not messages.
 COMMAND_START = ("#", "python", "torchrun", "$", "export", "srun", "TORCH_", "NCCL_",
-                 "PYTORCH_", "ulimit", "sudo", "dmesg", "ss ", "grep", "mpirun", "docker",
-                 "kubectl", "py-spy", "pgrep")
+                 "PYTORCH_", "ulimit", "sudo", "dmesg", "journalctl", "ss ", "grep", "mpirun",
+                 "docker", "kubectl", "py-spy", "pgrep", "except", "print(", "raise", 'File "',
+                 "Traceback", "for ", "with ", "if ", "def ")
 CODE_FENCES = {"python", "py", "bash", "sh", "shell", "yaml", "toml", "ini", "json"}
+# A format sketch written for the reader (`<host>:<pid> NCCL WARN <text>`), not a message.
+PLACEHOLDER = re.compile(r"<[a-z][\w .-]*>")
+COURSE_SOURCES = ["runbooks/drills/*.py", "runbooks/drills/*.sh", "labs/*.py"]
+
 # A stable substring has none of these: they change from run to run or build to build.
 UNSTABLE = [(re.compile(r"\d{4,}"), "a number of 4+ digits (pid, port, time, size)"),
             (re.compile(r"\w/\w+/\w|(?:^|[\s\[(])[.~]?/\w|\.(?:cpp|cc|py|h):"), "a path or a file:line"),
@@ -106,11 +111,15 @@ def runtime_libraries():
     return b"\n".join(Path(n).read_bytes() for n in names)
 
 
-def where_in_torch(message):
-    """Which part of the installed torch contains `message` literally ("" when none)."""
-    needle = message.replace("\\|", "|").encode()
+def where_in_torch(message, formatted=False):
+    """Which part of the installed torch contains `message` literally ("" when none). With
+    `formatted`, a message whose values (numbers, true/false) torch fills in at run time also
+    counts when its format string is there: `useIpv6: false` is printed from `useIpv6: {}`."""
+    candidates = [message.replace("\\|", "|")]
+    if formatted:
+        candidates.append(re.sub(r"(?<![\w-])(?:false|true|-?\d+)\b", "{}", candidates[0]))
     for kind, blob in torch_corpus().items():
-        if needle in blob:
+        if any(c.encode() in blob for c in candidates):
             return kind
     return ""
 
@@ -148,18 +157,37 @@ def quoting_pages():
     return pages
 
 
+@functools.lru_cache(maxsize=1)
+def course_source_words():
+    """The words of the course's own drills and labs, which raise messages of their own."""
+    text = "\n".join(p.read_text() for pattern in COURSE_SOURCES for p in ROOT.glob(pattern))
+    return " ".join(re.findall(r"[\w']+", text))
+
+
+def is_course_message(quote):
+    """A quote whose error message is one the course's drills or labs raise themselves
+    (`RuntimeError: corrupt sample in shard 7`): four words of it in a row are in their
+    source (numbers left out: they are filled in at run time)."""
+    match = re.search(r"(?:Error|Exception): (.+)", quote)
+    words = [w for w in re.findall(r"[\w']+", match.group(1)) if not w.isdigit()] if match else []
+    windows = [" ".join(words[i:i + 4]) for i in range(len(words) - 3)]
+    return any(window in course_source_words() for window in windows)
+
+
 def uncovered_quotes(entries, pages):
-    """(page, quote) for each quoted message that contains no index entry."""
+    """(page, quote) for each quoted message that contains no index entry and is not one of
+    the course's own messages."""
     messages = [e.message for e in entries]
     return [(name, quote) for name, text in pages.items() for quote in quoted_lines(text)
-            if not any(m in quote for m in messages)]
+            if not any(m in quote for m in messages)
+            and not PLACEHOLDER.search(quote) and not is_course_message(quote)]
 
 
 if __name__ == "__main__":
     entries = parse_index()
     print(f"{len(entries)} entries")
     for entry in entries:
-        found = where_in_torch(entry.message)
+        found = where_in_torch(entry.message, formatted=True)
         print(f"{'SOURCE ' + entry.kind if entry.source else found or 'NOT FOUND':>24} | "
               f"{entry.message}")
     for name, quote in uncovered_quotes(entries, quoting_pages()):
