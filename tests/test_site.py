@@ -291,6 +291,74 @@ def test_browser_search_finds_a_runbook_by_its_error_string(browser, served_site
     result.wait_for(state="attached", timeout=15000)
 
 
+PASTED_LOG_LINES = [  # (a whole line as a log shows it, the page that explains it)
+    ("[rank0]:[E1129 12:10:58.481120910 ProcessGroupGloo.cpp:67] [Rank 0]: Ranks 1 failed to pass monitoredBarrier in 3000 ms",
+     "collective-timeout"),
+    ("[rank1]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete",
+     "collective-timeout"),
+    ("[rank0]: torch.distributed.DistStoreError: Timed out after 6 seconds waiting for clients. 1/2 clients joined.",
+     "startup-hang"),
+    ("[rank0]: RuntimeError: DataLoader worker (pid 22934) is killed by signal: Killed.",
+     "dataloader-worker-killed"),
+    ("[rank1]:[E1201 10:02:11.123456789 ProcessGroupNCCL.cpp:632] [PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600013 milliseconds before timing out.",
+     "nccl-watchdog-timeout"),
+    ("[rank3]:[E1201 10:02:11.123456789 ProcessGroupNCCL.cpp:1895] [PG ID 0 PG GUID 0(default_pg) Rank 3] To avoid data inconsistency, we are taking the entire process down.",
+     "nccl-watchdog-timeout"),
+    ("[W1201 12:42:33.099641772 socket.cpp:561] torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+     "address-in-use"),
+    ("E1201 12:39:48.512000 11750 torch/distributed/elastic/multiprocessing/api.py:1003] failed (exitcode: 1) local_rank: 1 (pid: 11757) of binary: /usr/bin/python3",
+     "torchrun-child-failed"),
+    ("[rank0]: RuntimeError: Caught RuntimeError in DataLoader worker process 0. stack expects each tensor to be equal size, but got [3] at entry 0 and [5] at entry 1",
+     "dataloader-worker-error"),
+    ("[rank1]: RuntimeError: Too many open files. Communication with the workers is no longer possible. Please increase the limit using `ulimit -n` in the shell or change the sharing strategy by calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of your code",
+     "dataloader-shared-memory"),
+    ("[rank0]: RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one. This error indicates that your module has parameters that were not used in producing loss.",
+     "ddp-unused-parameters"),
+    ("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total capacity of 39.38 GiB of which 3.76 GiB is free. Including non-PyTorch memory, this process has 0 bytes memory in use.",
+     "oom-reading-the-error"),
+    ("[rank4]: torch.distributed.DistBackendError: [4] is setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d key-value store by key '0', but store->get('0') got error: Socket Timeout",
+     "rank0-busy"),
+    ("[rank2]: RuntimeError: unable to allocate shared memory(shm) for file </torch_20690_3638420739_1>: No space left on device (28)",
+     "dataloader-shared-memory"),
+    ("[rank0]:[W1201 12:40:02.000000000 Utils.hpp:110] terminate called after throwing an instance of 'c10::DistBackendError' what(): [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog thread terminated with exception",
+     "nccl-watchdog-timeout"),
+    ("[rank1]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5020. This is typically caused by a remote worker crashing.",
+     "exit-hang"),
+]
+
+
+def paste_and_search(browser, served_site, line):
+    """Paste a whole log line into the search box as a reader does (the input event, then the
+    key release the theme listens for); return the page and the query the box ends up with."""
+    page = search(browser, served_site, line)
+    page.keyboard.press("End")
+    first = page.locator(".md-search-result__item > a").first
+    first.wait_for(state="attached", timeout=15000)
+    page.wait_for_timeout(300)  # the worker answers per keystroke: let the last answer land
+    return page, page.locator("input.md-search__input").input_value()
+
+
+@pytest.mark.parametrize("line, expected", PASTED_LOG_LINES, ids=[p for _, p in PASTED_LOG_LINES])
+def test_pasted_log_lines_find_their_page(browser, served_site, line, expected):
+    page, query = paste_and_search(browser, served_site, line)
+    href = page.locator(".md-search-result__item > a").first.get_attribute("href")
+    assert f"runbooks/{expected}.html" in href, (query, href)
+    assert not re.search(r"\d\d:\d\d|pid \d|\.cpp:\d", query), query  # the noise is gone
+    page.close()
+
+
+def test_a_short_typed_query_is_left_alone(browser, served_site):
+    page = search(browser, served_site, "no_sync 2 ranks")
+    page.keyboard.press("End")
+    assert page.locator("input.md-search__input").input_value() == "no_sync 2 ranks"
+    page.close()
+
+
+def test_at_least_twelve_pasted_lines_are_checked():
+    assert len(PASTED_LOG_LINES) >= 12
+    assert len({expected for _, expected in PASTED_LOG_LINES}) >= 10
+
+
 def test_phone_sized_viewport_navigates_from_the_menu(browser, served_site):
     page = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True,
                             has_touch=True)

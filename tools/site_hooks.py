@@ -56,7 +56,10 @@ def lab_page(lab, previous):
     guide, doc = project_guide(docstring(lab))
     title, _, rest = doc.partition("\n")
     stamp = verified.lab_stamp(lab.stem)
-    lines = [f"# {title}", "", f"Source: `labs/{lab.name}` (one self-contained file: copy it "
+    # The page holds the whole source and a diff: it matches nearly any query, so it ranks
+    # below the pages that explain a message (front matter read by the search plugin).
+    lines = ["---", "search:", "  boost: 0.05", "---", "", f"# {title}", "",
+             f"Source: `labs/{lab.name}` (one self-contained file: copy it "
              "anywhere with torch installed and run it).", "",
              f"!!! success \"Verified\"\n    {stamp}" if stamp
              else "!!! warning \"Not verified in this build\"\n    No run of this lab was recorded "

@@ -4,9 +4,10 @@
  * site's search (lunr, through mkdocs-material) appends a wildcard to every term, so "12*",
  * "3000*" or "in*" match words on every page and bury the runbook that quotes the message.
  * When the query looks like a log line, this rewrites it before the search runs:
- * 1. each message of the error index (runbooks/errors.md, loaded as
+ * 1. the longest message of the error index (runbooks/errors.md, loaded as
  *    window.courseErrorMessages) that the line contains goes in quotes, which the theme turns
- *    into "every word required", followed by the line's other stable words;
+ *    into "every word required", followed by the line's other stable words; pages that
+ *    explain the common messages carry a search boost in their front matter;
  * 2. otherwise the query is the line's stable words alone.
  * Short queries typed by hand are left alone. Tested by tests/test_site.py
  * (test_pasted_log_lines_find_their_page).
@@ -27,8 +28,16 @@
     /\b0x[0-9a-fA-F]+\b/g,                             // addresses
     /\S*\d\S*/g                                        // anything else with a digit in it
   ];
-  // Words that match half the site once a wildcard is appended.
-  var COMMON = /^(?:a|an|and|are|as|at|be|by|for|from|has|in|is|it|of|on|or|the|this|to|was|with|after|before|error|errors)$/i;
+  // lunr's English stop words (a required stop word matches nothing, so the search would come
+  // back empty) and words that match half the site once a wildcard is appended.
+  var COMMON = new RegExp("^(?:" + [
+    "a able about across after all almost also am among an and any are as at be because been",
+    "but by can cannot could dear did do does either else ever every for from get got had has",
+    "have he her hers him his how however i if in into is it its just least let like likely may",
+    "me might most must my neither no nor not of off often on only or other our own rather",
+    "said say says she should since so some than that the their them then there these they",
+    "this tis to too twas us wants was we were what when where which while who whom why will",
+    "with would yet you your before error errors"].join(" ").split(" ").join("|") + ")$", "i");
 
   function looksLikeLogLine(text) {
     return text.trim().split(/\s+/).length >= 6 && /\d/.test(text);
@@ -56,12 +65,16 @@
     return {messages: found, rest: text};
   }
 
+  // Only the longest message is required: a section that quotes it is an answer. (Requiring
+  // every message found fails when a page quotes them in different sections.) The other
+  // words, shorter messages included, only rank the sections that have it. Required words
+  // leave out lunr's stop words: lunr drops those, and a dropped required word matches nothing.
   function rewrite(text) {
     var known = knownMessages(text);
-    var quoted = known.messages.map(function (message) {
-      return '"' + stableWords(message).join(" ") + '"';
-    });
-    return quoted.concat(stableWords(known.rest)).join(" ");
+    if (!known.messages.length) return stableWords(text).join(" ");
+    var required = '"' + stableWords(known.messages[0]).join(" ") + '"';
+    var others = stableWords(known.messages.slice(1).join(" ") + " " + known.rest);
+    return [required].concat(others).join(" ");
   }
 
   // Capture phase on the document: runs before the theme reads the input's value.
