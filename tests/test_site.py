@@ -354,6 +354,18 @@ def test_a_short_typed_query_is_left_alone(browser, served_site):
     page.close()
 
 
+def test_search_settings_name_pages_that_exist(site):
+    """A renamed page would silently lose its boost (or the index its exclusion)."""
+    import site_hooks  # tools/site_hooks.py
+
+    for src_uri, settings in site_hooks.SEARCH_SETTINGS.items():
+        assert (REPO / src_uri).exists(), src_uri
+    index = json.loads((site / "search" / "search_index.json").read_text())
+    boosted = {doc["location"].split("#")[0] for doc in index["docs"] if doc.get("boost") == 2}
+    assert boosted == {"runbooks/collective-timeout.html", "runbooks/exit-hang.html",
+                       "runbooks/address-in-use.html", "runbooks/dataloader-shared-memory.html"}
+    assert not any(doc["location"].startswith("runbooks/errors.html") for doc in index["docs"])
+
 def test_at_least_twelve_pasted_lines_are_checked():
     assert len(PASTED_LOG_LINES) >= 12
     assert len({expected for _, expected in PASTED_LOG_LINES}) >= 10

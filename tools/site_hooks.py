@@ -56,9 +56,7 @@ def lab_page(lab, previous):
     guide, doc = project_guide(docstring(lab))
     title, _, rest = doc.partition("\n")
     stamp = verified.lab_stamp(lab.stem)
-    # The page holds the whole source and a diff: it matches nearly any query, so it ranks
-    # below the pages that explain a message (front matter read by the search plugin).
-    lines = ["---", "search:", "  boost: 0.05", "---", "", f"# {title}", "",
+    lines = [f"# {title}", "",
              f"Source: `labs/{lab.name}` (one self-contained file: copy it "
              "anywhere with torch installed and run it).", "",
              f"!!! success \"Verified\"\n    {stamp}" if stamp
@@ -167,7 +165,31 @@ _REPO_LINK = re.compile(r'href="((?:\.\./)*(?:lessons|labs|runbooks)/[^"#]+?)\.(
                         r'(#[^"]*)?"')
 
 
+# Search weights, read by the search plugin from page.meta (kept here, not in front matter, so
+# every page still starts with its "# <what you see>" title). A pasted log line is searched for
+# its message (docs/javascripts/search-log-line.js); these settle which of the pages quoting a
+# common message comes first: the one the error index names.
+SEARCH_SETTINGS = {
+    "runbooks/errors.md": {"exclude": True},  # the list never stands in front of the page
+    "runbooks/index.md": {"boost": 0.3},      # a list of symptoms, the same
+    "runbooks/collective-timeout.md": {"boost": 2},  # the gloo timeout, also on rank0-busy
+    "runbooks/exit-hang.md": {"boost": 2},    # `Connection closed by peer`, quoted on 4 pages
+    "runbooks/address-in-use.md": {"boost": 2},
+    "runbooks/dataloader-shared-memory.md": {"boost": 2},  # /dev/shm, also on worker-killed
+}
+LAB_PAGE_SEARCH = {"boost": 0.05}  # the whole source and a diff match nearly any query
+
+
+def search_settings(src_uri):
+    if re.fullmatch(r"labs/lab\d\d_\w+\.md", src_uri):
+        return LAB_PAGE_SEARCH
+    return SEARCH_SETTINGS.get(src_uri)
+
+
 def on_page_content(html, page, config, files):
+    settings = search_settings(page.file.src_uri)
+    if settings:
+        page.meta["search"] = {**settings, **(page.meta.get("search") or {})}
     if page.file.src_uri.endswith(".ipynb"):
         html = _REPO_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(3) or ""}"', html)
         facts = lesson_stamp_facts(page.file.abs_src_path)

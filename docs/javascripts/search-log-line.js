@@ -6,8 +6,8 @@
  * When the query looks like a log line, this rewrites it before the search runs:
  * 1. the longest message of the error index (runbooks/errors.md, loaded as
  *    window.courseErrorMessages) that the line contains goes in quotes, which the theme turns
- *    into "every word required", followed by the line's other stable words; pages that
- *    explain the common messages carry a search boost in their front matter;
+ *    into "every word required", followed by the line's other stable words; the pages that
+ *    own a common message get a search boost (SEARCH_SETTINGS in tools/site_hooks.py);
  * 2. otherwise the query is the line's stable words alone.
  * Short queries typed by hand are left alone. Tested by tests/test_site.py
  * (test_pasted_log_lines_find_their_page).
