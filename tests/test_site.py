@@ -366,6 +366,16 @@ def test_search_settings_name_pages_that_exist(site):
                        "runbooks/address-in-use.html", "runbooks/dataloader-shared-memory.html"}
     assert not any(doc["location"].startswith("runbooks/errors.html") for doc in index["docs"])
 
+def test_the_runbook_nav_follows_the_index_and_misses_no_page():
+    import site_hooks  # tools/site_hooks.py
+
+    groups = site_hooks.runbook_nav_groups()
+    titles = [next(iter(group)) for group in groups]
+    assert "Not in the index yet" not in titles, groups[-1]
+    assert titles[:2] == ["Launching and start-up", "Hangs and timeouts"], titles
+    pages = [page for group in groups for page in next(iter(group.values()))]
+    assert sorted(pages) == sorted(f"runbooks/{p.name}" for p in site_hooks.runbook_paths())
+
 def test_at_least_twelve_pasted_lines_are_checked():
     assert len(PASTED_LOG_LINES) >= 12
     assert len({expected for _, expected in PASTED_LOG_LINES}) >= 10
@@ -378,6 +388,7 @@ def test_phone_sized_viewport_navigates_from_the_menu(browser, served_site):
     sidebar = page.locator("nav.md-nav--primary")
     page.locator("label.md-header__button[for='__drawer']").click()  # the hamburger
     sidebar.locator("label.md-nav__link", has_text="Runbooks").first.click()  # its panel
+    sidebar.locator("label.md-nav__link", has_text="Hangs and timeouts").first.click()  # group
     sidebar.locator("a[href$='runbooks/exit-hang.html']").first.click()
     page.wait_for_url("**/runbooks/exit-hang.html")
     assert "terminate called without an active exception" in page.inner_text("article")

@@ -147,10 +147,27 @@ def on_files(files, config):
     return files
 
 
+def runbook_nav_groups():
+    """The runbooks in the nav, grouped as runbooks/index.md groups them: one nav section per
+    "## " heading there, with the pages its table links, in order. A page the index does not
+    link goes in "Not in the index yet" (tests/test_site.py fails on that)."""
+    index = (ROOT / "runbooks" / "index.md").read_text()
+    groups, placed = [], set()
+    for block in re.split(r"^## ", index, flags=re.M)[1:]:
+        heading, _, body = block.partition("\n")
+        pages = [p for p in dict.fromkeys(re.findall(r"\]\(([\w-]+\.md)(?:#[^)]*)?\)", body))
+                 if (ROOT / "runbooks" / p).exists() and p not in placed]
+        placed.update(pages)
+        if pages:
+            groups.append({heading.strip(): [f"runbooks/{p}" for p in pages]})
+    rest = [f"runbooks/{p.name}" for p in runbook_paths() if p.name not in placed]
+    return groups + ([{"Not in the index yet": rest}] if rest else [])
+
+
 def on_config(config):
     lessons = [f"lessons/{p.stem}.ipynb" for p in lesson_tools.lesson_paths()]
     labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lesson_tools.lab_paths()]]
-    runbooks = ["runbooks/index.md", *[f"runbooks/{p.name}" for p in runbook_paths()]]
+    runbooks = ["runbooks/index.md", *runbook_nav_groups()]
     reference = sorted([*(f"reference/{p.name}" for p in (ROOT / "docs" / "reference").glob("*.md")),
                         "reference/torchrun-flags.md", "reference/which-parallelism.md"])
     onboarding = [{"Start here": "onboarding.md"}] if (ROOT / "docs" / "onboarding.md").exists() else []
