@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,6 +59,40 @@ def quiet_env(extra=None):
     env.pop("WORLD_SIZE", None)
     env.update(extra or {})
     return env
+
+
+# What a drill must not inherit from the shell that runs the tests: a rank or address of its
+# own, or a switch that changes what it prints (the drill tests set these themselves).
+DRILL_ENV_DROPPED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                     "TORCH_DISTRIBUTED_DEBUG", "USE_LIBUV", "TORCHELASTIC_ERROR_FILE")
+
+
+def drill_env(**changes):
+    """Environment for a drill: one OpenMP thread per rank, nothing inherited from
+    DRILL_ENV_DROPPED unless the caller sets it, and the caller's changes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **changes}
+    for name in DRILL_ENV_DROPPED:
+        if name not in changes:
+            env.pop(name, None)
+    return env
+
+
+def run_drill(cmd, env=None, timeout=150):
+    """One drill launch that is expected to fail: never raises, returns rc, output and wall
+    time. An overrun becomes rc None (its tests fail, the others still run). Output goes to a
+    file, not a pipe: a straggling grandchild (a DataLoader worker stuck in its sample) must
+    not keep the launch "running" after torchrun has exited."""
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile("w+", errors="replace") as log:
+        try:
+            rc = subprocess.run(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT,
+                                timeout=timeout, env=env or drill_env(), cwd=REPO).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+        log.seek(0)
+        out = log.read() + (f"\nTIMED OUT after {timeout} s" if rc is None else "")
+    return {"rc": rc, "out": out, "wall_s": time.monotonic() - t0,
+            "cmd": " ".join(map(str, cmd))}
 
 
 def torchrun_cmd(script, nproc, args=(), rdzv="standalone", extra_torchrun=()):

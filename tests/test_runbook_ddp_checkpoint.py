@@ -6,45 +6,22 @@ All launches run side by side in one module fixture (most of each launch is impo
 each with a hard timeout; the drills' own collective timeouts are 3-5 s, so nothing can hang.
 """
 
-import os
 import re
-import subprocess
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from launcher import PYTHON, REPO, torchrun_cmd
+from launcher import PYTHON, REPO, drill_env, run_drill, torchrun_cmd
 
 DRILLS = REPO / "runbooks" / "drills"
 RUNBOOKS = REPO / "runbooks"
 LAUNCH_TIMEOUT = 120  # per launch; each fails or finishes in seconds, the rest is start-up
 
 
-def child_env(**changes):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **changes}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCH_DISTRIBUTED_DEBUG"):
-        if name not in changes:
-            env.pop(name, None)
-    return env
 
 
 def run_cmd(cmd, env=None):
-    """One launch, output to a file (not a pipe); an overrun becomes rc None."""
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile("w+", errors="replace") as log:
-        try:
-            rc = subprocess.run(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT,
-                                timeout=LAUNCH_TIMEOUT, env=env or child_env(),
-                                cwd=REPO).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-        log.seek(0)
-        out = log.read() + (f"\nTIMED OUT after {LAUNCH_TIMEOUT} s" if rc is None else "")
-    return {"rc": rc, "out": out, "wall_s": time.monotonic() - t0,
-            "cmd": " ".join(map(str, cmd))}
+    return run_drill(cmd, env, LAUNCH_TIMEOUT)
 
 
 def ddp(*args, env=None):
@@ -74,8 +51,8 @@ def runs(tmp_path_factory):
     slow_dir = tmp_path_factory.mktemp("slow_save")
     jobs = {
         "default": ddp(),
-        "info": ddp(env=child_env(TORCH_DISTRIBUTED_DEBUG="INFO")),
-        "detail_env": ddp(env=child_env(TORCH_DISTRIBUTED_DEBUG="DETAIL")),
+        "info": ddp(env=drill_env(TORCH_DISTRIBUTED_DEBUG="INFO")),
+        "detail_env": ddp(env=drill_env(TORCH_DISTRIBUTED_DEBUG="DETAIL")),
         "fixes": ddp("--fix", "find-unused,static-graph,use-output,freeze"),
         "output": ddp("--cause", "output", "--fix", "find-unused,use-output,static-graph"),
         "branch": ddp("--cause", "branch", "--fix", "find-unused,static-graph",
@@ -87,7 +64,7 @@ def runs(tmp_path_factory):
         "slow_barrier": ckpt(*SLOW, "--fix", "barrier"),
         "slow_dcp": ckpt(*SLOW, "--fix", "dcp"),
         "group_types": lambda: run_cmd([PYTHON, "-c", GROUP_TYPES],
-                                       child_env(TORCH_DISTRIBUTED_DEBUG="DETAIL")),
+                                       drill_env(TORCH_DISTRIBUTED_DEBUG="DETAIL")),
     }
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}

@@ -11,13 +11,12 @@ import os
 import re
 import signal
 import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from launcher import PYTHON, REPO, free_port, installed_script, torchrun_cmd
+from launcher import PYTHON, REPO, drill_env, free_port, installed_script, run_drill, torchrun_cmd
 
 DRILLS = REPO / "runbooks" / "drills"
 RUNBOOKS = REPO / "runbooks"
@@ -25,13 +24,6 @@ PY_SPY = installed_script("py-spy")
 LAUNCH_TIMEOUT = 150  # per launch; the drills fail in seconds, the rest is start-up on 2 cores
 
 
-def child_env(**changes):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **changes}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCH_DISTRIBUTED_DEBUG"):
-        if name not in changes:
-            env.pop(name, None)
-    return env
 
 
 def drill(name, *args):
@@ -39,21 +31,7 @@ def drill(name, *args):
 
 
 def run_cmd(cmd, env=None):
-    """Run one launch; a launch that overruns becomes rc None (its tests fail, the rest run).
-    Output goes to a file, not a pipe: a straggling grandchild (a DataLoader worker stuck in
-    its sample) must not keep the launch "running" after torchrun has exited."""
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile("w+", errors="replace") as log:
-        try:
-            rc = subprocess.run(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT,
-                                timeout=LAUNCH_TIMEOUT, env=env or child_env(),
-                                cwd=REPO).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-        log.seek(0)
-        out = log.read() + (f"\nTIMED OUT after {LAUNCH_TIMEOUT} s" if rc is None else "")
-    return {"rc": rc, "out": out, "wall_s": time.monotonic() - t0,
-            "cmd": " ".join(map(str, cmd))}
+    return run_drill(cmd, env, LAUNCH_TIMEOUT)
 
 
 def wait_for(path, pattern, timeout):
@@ -81,7 +59,7 @@ def py_spy_while_stuck(cmd, log, ready_pattern, stuck_s, env=None):
     """Start a job, wait for ready_pattern plus stuck_s, then `py-spy dump` every child of
     torchrun (the runbook's recipe: pgrep -P <torchrun pid> | xargs py-spy dump --pid)."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env or child_env(),
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env or drill_env(),
                                 cwd=REPO)
 
     def ranks():
@@ -105,7 +83,7 @@ def py_spy_while_stuck(cmd, log, ready_pattern, stuck_s, env=None):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hangs")
     fr_dir = tmp / "fr"
-    detail = child_env(TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    detail = drill_env(TORCH_DISTRIBUTED_DEBUG="DETAIL")
     rdzv = str(DRILLS / "hang_rendezvous.py")
     jobs = {
         "skip": lambda: run_cmd(drill("hang_skip_collective", "--timeout-s", "3")),

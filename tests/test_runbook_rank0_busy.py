@@ -7,16 +7,13 @@ the drill's waits are sleeps, so side by side they cost far less than one after 
 launch has a hard timeout and the drill itself uses 2-4 s timeouts, so nothing here can hang.
 """
 
-import os
 import re
-import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from launcher import PYTHON, REPO, torchrun_cmd
+from launcher import PYTHON, REPO, drill_env, run_drill, torchrun_cmd
 
 DRILL = REPO / "runbooks" / "drills" / "rank0_busy.py"
 PAGE = REPO / "runbooks" / "rank0-busy.md"
@@ -24,30 +21,10 @@ LAUNCH_TIMEOUT = 120  # per launch; the drill fails in seconds, the rest is star
 BUSY = ("--timeout-s", "3", "--busy-s", "10")  # the page's numbers (the drill's defaults)
 
 
-def child_env(**changes):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **changes}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCH_DISTRIBUTED_DEBUG"):
-        if name not in changes:
-            env.pop(name, None)
-    return env
 
 
 def run_cmd(cmd, env=None):
-    """One launch; an overrun becomes rc None. Output goes to a file, not a pipe, so a
-    straggling child cannot keep the launch "running" after torchrun has exited."""
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile("w+", errors="replace") as log:
-        try:
-            rc = subprocess.run(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT,
-                                timeout=LAUNCH_TIMEOUT, env=env or child_env(),
-                                cwd=REPO).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-        log.seek(0)
-        out = log.read() + (f"\nTIMED OUT after {LAUNCH_TIMEOUT} s" if rc is None else "")
-    return {"rc": rc, "out": out, "wall_s": time.monotonic() - t0,
-            "cmd": " ".join(map(str, cmd))}
+    return run_drill(cmd, env, LAUNCH_TIMEOUT)
 
 
 def drill(*args):
@@ -74,7 +51,7 @@ JOBS = {
 def runs():
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=5) as pool:
-        futures = {name: pool.submit(run_cmd, cmd, env and child_env(**env))
+        futures = {name: pool.submit(run_cmd, cmd, env and drill_env(**env))
                    for name, (cmd, env) in JOBS.items()}
         results = {name: future.result() for name, future in futures.items()}
     print(f"\nrank0-busy drills: {time.monotonic() - t0:.1f} s wall for {len(results)} launches")

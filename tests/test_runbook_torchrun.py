@@ -9,18 +9,14 @@ timeout; the drills bound their own waits too (--hang-s, --limit-s, process-grou
 """
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from launcher import PYTHON, REPO
+from launcher import PYTHON, REPO, drill_env, run_drill
 
 DRILLS = REPO / "runbooks" / "drills"
 RUNBOOKS = REPO / "runbooks"
@@ -28,30 +24,10 @@ TORCH = Path(__import__("torch").__file__).parent
 LAUNCH_TIMEOUT = 150  # per launch; the drills end in seconds, the rest is start-up on 2 cores
 
 
-def child_env(**changes):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **changes}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "USE_LIBUV",
-                 "TORCHELASTIC_ERROR_FILE"):
-        if name not in changes:
-            env.pop(name, None)
-    return env
 
 
 def run_cmd(cmd, env=None):
-    """One launch, output to a file (not a pipe: a straggling grandchild must not keep it
-    "running"); an overrun becomes rc None, so its tests fail and the others still run."""
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile("w+", errors="replace") as log:
-        try:
-            rc = subprocess.run(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT,
-                                timeout=LAUNCH_TIMEOUT, env=env or child_env(),
-                                cwd=REPO).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-        log.seek(0)
-        out = log.read() + (f"\nTIMED OUT after {LAUNCH_TIMEOUT} s" if rc is None else "")
-    return {"rc": rc, "out": out, "wall_s": time.monotonic() - t0,
-            "cmd": " ".join(map(str, cmd))}
+    return run_drill(cmd, env, LAUNCH_TIMEOUT)
 
 
 def child_failed(*args, torchrun=()):
@@ -82,7 +58,7 @@ def runs(tmp_path_factory):
         "cf_none": lambda: run_cmd(child_failed("--how", "none")),
         "port_static": lambda: run_cmd(port_drill("--case", "static")),
         "port_env": lambda: run_cmd(port_drill("--case", "env")),
-        "port_env_legacy": lambda: run_cmd(port_drill("--case", "env"), child_env(USE_LIBUV="0")),
+        "port_env_legacy": lambda: run_cmd(port_drill("--case", "env"), drill_env(USE_LIBUV="0")),
         "port_c10d": lambda: run_cmd(port_drill("--case", "c10d", "--hang-s", "12")),
         "port_two_static": lambda: run_cmd(port_drill("--case", "static", "--holder", "job")),
         "port_two_c10d": lambda: run_cmd(port_drill("--case", "c10d", "--holder", "job")),
