@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import error_index  # tools/error_index.py (conftest puts tools/ on the path)
 from launcher import PYTHON, REPO, quiet_env
 from test_docs_commands import parse_command, script_flags, torchrun_flags
 from test_reference_pages import anchors_of
@@ -205,7 +206,11 @@ def cpu_torch_files():
 
 @pytest.fixture(scope="module")
 def in_cpu_torch():
-    return scan(cpu_torch_files(), {row[1] for row in all_rows()})
+    """The rows' substrings found in the installed torch's .py files and torch/lib/*.so: the
+    error index's corpus of the same files (read once per session, tools/error_index.py)."""
+    corpus = error_index.torch_corpus()
+    blobs = [corpus["python sources"], corpus["shared libraries"]]
+    return {row[1] for row in all_rows() if any(row[1].encode() in blob for blob in blobs)}
 
 
 @pytest.fixture(scope="module")
