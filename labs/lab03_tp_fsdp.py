@@ -101,18 +101,33 @@ def fail_config(flag, message):
 def add_common_args(parser):
     arg = parser.add_argument
     arg("--steps", type=int, default=40, help="optimizer steps in total")
-    arg("--micro-batch-size", type=int, default=8,
-        help="sequences per data-parallel rank per micro-step; sets the default --batch-size")
+    arg("--model", choices=list(MODEL_PRESETS), default="debug",
+        help="Llama-shaped size preset (MODEL_PRESETS): debug (the CPU default), small, 1b "
+             "(Llama-3.2-1B's shape), 8b (Llama-3.1-8B's); the flags below override its fields")
+    arg("--micro-batch-size", type=int, default=None,
+        help="sequences per data-parallel rank per micro-step (default: the preset's); sets "
+             "the default --batch-size")
     arg("--batch-size", type=int, default=0,
         help="global batch, in sequences per optimizer step (0: --micro-batch-size x "
              "data-parallel ranks x --grad-accum, so the defaults work at any world size)")
     arg("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    arg("--seq-len", type=int, default=32, help="tokens per sequence")
-    arg("--dim", type=int, default=64, help="model width")
-    arg("--num-layers", type=int, default=2, help="transformer blocks")
-    arg("--num-heads", type=int, default=4, help="attention heads")
-    arg("--vocab-size", type=int, default=64, help="vocabulary size")
-    arg("--num-samples", type=int, default=512, help="synthetic dataset size (sequences)")
+    arg("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    arg("--dim", type=int, default=None, help="model width (default: the preset's)")
+    arg("--num-layers", type=int, default=None, help="transformer blocks (default: the preset's)")
+    arg("--num-heads", type=int, default=None, help="attention heads (default: the preset's)")
+    arg("--num-kv-heads", type=int, default=None,
+        help="key/value heads, grouped-query attention (default: the preset's; debug: no GQA)")
+    arg("--ffn-dim", type=int, default=None,
+        help="SwiGLU hidden width (default: the preset's; debug: 4 x --dim)")
+    arg("--vocab-size", type=int, default=None,
+        help="vocabulary size (default: the preset's; 256 with a text --data file)")
+    arg("--num-samples", type=int, default=512,
+        help="synthetic dataset size in sequences (ignored with --data: the file sets it)")
+    arg("--data", default="",
+        help="train on this file instead of synthetic sequences: *.bin holds raw token ids "
+             "(--data-dtype), any other file is read as bytes (vocabulary 256)")
+    arg("--data-dtype", choices=["uint16", "uint32"], default="uint16",
+        help="token id type of a *.bin --data file (uint16: vocabularies up to 65,536)")
     arg("--lr", type=float, default=3e-3, help="AdamW learning rate (after the warmup)")
     arg("--warmup-steps", type=int, default=5,
         help="linear learning-rate warmup from 0 over this many steps (0: none); see "
@@ -121,8 +136,9 @@ def add_common_args(parser):
     arg("--seed", type=int, default=0, help="seed for init, data order and RNG")
     arg("--device", choices=["auto", "cpu", "cuda"], default="auto",
         help="auto: cuda + nccl when every local rank has a GPU, else cpu + gloo")
-    arg("--amp", choices=["auto", "bf16", "off"], default="auto",
-        help="autocast dtype for the forward pass; auto = bf16 on cuda, off (fp32) on cpu")
+    arg("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
+        help="compute precision: auto = bf16 on a GPU that has it, fp16 with a GradScaler on "
+             "one that does not, off (fp32) on cpu; see choose_precision()")
     arg("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     arg("--timeout-s", type=float, default=120.0,
         help="seconds any collective or worker may block before it becomes an error")
@@ -133,6 +149,13 @@ def add_common_args(parser):
     arg("--stop-at-step", type=int, default=0,
         help="checkpoint and stop after this step, as if interrupted (0: run to --steps)")
     arg("--metrics-out", default="", help="write the final metrics JSON here (rank 0)")
+    arg("--plan", action="store_true",
+        help="print the layout, precision and memory per rank for --nproc ranks of --gpu, "
+             "then exit; starts no process group and needs no GPU")
+    arg("--nproc", type=int, default=0, help="--plan: world size to plan for (0: this launch's)")
+    arg("--gpu", default="",
+        help="--plan: the GPU to plan for, a GPU_SPECS key such as H100-80GB (default: this "
+             "machine's device)")
     arg("--check-parity", action="store_true",
         help="retrain in one process on the same global batches and compare parameters")
     arg("--parity-tol", type=float, default=1e-5, help="max |param diff| allowed by --check-parity")
@@ -149,18 +172,28 @@ def add_common_args(parser):
 def validate_common(cfg, world_size, dp_size):
     """Checks every lab shares. dp_size: the ranks that split the batch (world size over the
     model-parallel degrees); it fills in the default --batch-size."""
+    apply_model_preset(cfg)
     positive = ["steps", "micro_batch_size", "grad_accum", "seq_len", "dim", "num_layers",
-                "num_heads", "vocab_size", "num_samples", "lr", "timeout_s", "log_every"]
+                "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "num_samples", "lr",
+                "timeout_s", "log_every"]
     for name in positive:
         if getattr(cfg, name) <= 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
     for name in ["batch_size", "clip", "num_workers", "checkpoint_every", "stop_at_step",
                  "parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
-                 "stall_at_step", "warmup_steps"]:
+                 "stall_at_step", "warmup_steps", "nproc"]:
         if getattr(cfg, name) < 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
         fail_config("--dim", f"{cfg.dim} must split into --num-heads {cfg.num_heads} even-sized heads")
+    if cfg.num_heads % cfg.num_kv_heads:
+        fail_config("--num-kv-heads", f"{cfg.num_kv_heads} must divide --num-heads {cfg.num_heads}")
+    if cfg.plan and cfg.gpu and cfg.gpu not in GPU_SPECS:
+        fail_config("--gpu", f"unknown GPU {cfg.gpu!r}; known: {', '.join(GPU_SPECS)}")
+    if (cfg.nproc or cfg.gpu) and not cfg.plan:
+        fail_config("--nproc" if cfg.nproc else "--gpu", "only means something with --plan")
+    if cfg.data:
+        validate_data_file(cfg)
     per_micro_step = dp_size * cfg.grad_accum
     trained_with = checkpointed_batch_size(cfg.checkpoint_dir)
     if trained_with and cfg.batch_size and cfg.batch_size != trained_with:
@@ -173,8 +206,10 @@ def validate_common(cfg, world_size, dp_size):
         fail_config("--batch-size", f"{cfg.batch_size} must be divisible by data-parallel ranks "
                     f"x --grad-accum = {dp_size} x {cfg.grad_accum} (or leave it out: 0 means "
                     f"--micro-batch-size x {per_micro_step})")
-    if cfg.num_samples < cfg.batch_size:
-        fail_config("--num-samples", f"{cfg.num_samples} is smaller than one global batch")
+    if dataset_length(cfg) < cfg.batch_size:
+        flag = "--data" if cfg.data else "--num-samples"
+        fail_config(flag, f"{dataset_length(cfg)} sequences of --seq-len {cfg.seq_len}, fewer "
+                    f"than one global batch of {cfg.batch_size}")
     if cfg.fail_rank >= world_size:
         fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
     if cfg.stop_at_step > cfg.steps:
@@ -185,11 +220,33 @@ def validate_common(cfg, world_size, dp_size):
                     "--stop-at-step and --crash-in-checkpoint")
     if cfg.resume and not latest_checkpoint(cfg.checkpoint_dir):
         fail_config("--resume", f"no complete checkpoint in {cfg.checkpoint_dir}")
+    if cfg.plan:
+        return  # the rest is about this machine, which a plan does not need
     if cfg.device == "cuda" and torch.cuda.device_count() < local_world_size():
         fail_config("--device", f"cuda needs one GPU per local rank: {local_world_size()} ranks, "
                     f"{torch.cuda.device_count()} GPUs visible; use --device cpu")
-    if cfg.check_parity and resolve_amp(cfg, pick_device_type(cfg)) != "off":
-        fail_config("--check-parity", "needs fp32 (--amp off): bf16 rounding is far above 1e-5")
+    device_type = pick_device_type(cfg)
+    if cfg.amp == "bf16" and device_type == "cuda" and not cuda_has_bf16():
+        fail_config("--amp", f"bf16 needs an Ampere or newer GPU; {torch.cuda.get_device_name()} "
+                    "has none: use --amp fp16 (or auto)")
+    if cfg.check_parity and compute_dtype(cfg, device_type) is not None:
+        fail_config("--check-parity", "needs fp32 (--amp off): bf16/fp16 rounding is far above 1e-5")
+
+
+def apply_model_preset(cfg):
+    """Fill in every model field the command line left out, from the --model preset."""
+    if cfg.data and not cfg.data.endswith(".bin") and cfg.vocab_size is None:
+        cfg.vocab_size = 256  # a text file is read as bytes
+    for name, value in MODEL_PRESETS[cfg.model].items():
+        if getattr(cfg, name, None) is None:  # rope_theta has no flag: always the preset's
+            setattr(cfg, name, value)
+    cfg.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
+    cfg.ffn_dim = cfg.ffn_dim or 4 * cfg.dim
+
+
+def planned_world_size(cfg):
+    """--plan --nproc N plans for N ranks; everything else runs at the launch's world size."""
+    return cfg.nproc if cfg.plan and cfg.nproc else world_size_from_env()
 
 
 def checkpointed_batch_size(directory):
@@ -224,11 +281,26 @@ def parse_config(argv=None):
     arg("--count-comms", action="store_true",
         help="measure step 1: collectives by type (CommDebugMode) and saved activation bytes")
     cfg = parser.parse_args(argv)
-    world_size = world_size_from_env()
+    world_size = planned_world_size(cfg)
     cfg.tp = cfg.tp or (2 if world_size % 2 == 0 else 1)
+    apply_model_preset(cfg)  # validate_tp checks the model's widths
     validate_tp(cfg, world_size)
     validate_common(cfg, world_size, dp_size=world_size // cfg.tp)
+    plan_or_refuse(cfg, plan_layout(cfg, world_size), world_size)
     return cfg
+
+
+def plan_layout(cfg, world_size):
+    """What each rank holds on the (dp, tp) mesh, for estimate_memory() and --plan."""
+    dp_size = world_size // cfg.tp
+    return {"mesh": f"dp={dp_size}, tp={cfg.tp}",
+            "what": "TP inside each block (heads, MLP width, vocab), fully_shard over dp",
+            "precision": "MixedPrecisionPolicy: params gathered in the compute dtype, grads "
+                         "reduced in fp32, fp32 master shards",
+            "state_shards": world_size, "optimizer_shards": world_size, "tp": cfg.tp,
+            "layers": cfg.num_layers, "in_flight": 1,
+            "micro_batch": cfg.batch_size // (dp_size * cfg.grad_accum),
+            "fsdp": True, "ddp_buckets": False}
 
 
 def validate_tp(cfg, world_size):
@@ -240,8 +312,8 @@ def validate_tp(cfg, world_size):
         divisors = [t for t in range(1, world_size + 1) if world_size % t == 0]
         fail_config("--tp", f"{cfg.tp} does not divide the world size {world_size} (the mesh is "
                     f"(dp, tp) = (world / tp, tp)); allowed: {', '.join(map(str, divisors))}")
-    sizes = {"--num-heads": cfg.num_heads, "--dim": cfg.dim, "--dim x 4 (MLP width)": 4 * cfg.dim,
-             "--vocab-size": cfg.vocab_size}
+    sizes = {"--num-heads": cfg.num_heads, "--num-kv-heads": cfg.num_kv_heads, "--dim": cfg.dim,
+             "--ffn-dim (MLP width)": cfg.ffn_dim, "--vocab-size": cfg.vocab_size}
     if cfg.sequence_parallel:
         sizes["--seq-len (with --sequence-parallel)"] = cfg.seq_len
     for flag, size in sizes.items():
@@ -268,10 +340,36 @@ def pick_device_type(cfg):
     return "cuda" if enough_gpus else "cpu"
 
 
-def resolve_amp(cfg, device_type):
-    if cfg.amp == "auto":
-        return "bf16" if device_type == "cuda" else "off"
-    return cfg.amp
+def cuda_has_bf16():
+    # In hardware from Ampere (sm_80) on; V100 and T4 would emulate it, slowly.
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def choose_precision(requested, device_type, has_bf16):
+    """--amp and the device's capabilities -> the compute dtype, None meaning fp32. Pure, so a
+    test can drive it with any device it fakes."""
+    if requested == "off" or (requested == "auto" and device_type != "cuda"):
+        return None  # CPU: fp32 keeps parity within 1e-5, and CPU bf16 matmuls are rarely faster
+    if requested == "auto":
+        # bf16 has fp32's exponent range, so no loss scaling; fp16 needs a GradScaler.
+        return torch.bfloat16 if has_bf16 else torch.float16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[requested]
+
+
+def compute_dtype(cfg, device_type):
+    return choose_precision(cfg.amp, device_type, device_type != "cuda" or cuda_has_bf16())
+
+
+def precision_name(dtype):
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16 + GradScaler"}[dtype]
+
+
+def make_grad_scaler(dtype, device):
+    """fp16 gradients underflow without loss scaling; bf16 and fp32 do not. Disabled, the
+    scaler passes every call straight through (no scaling, no host sync). Enabled, its step()
+    reads found_inf on the host: one sync per step, the price of fp16. On FSDP's DTensor
+    gradients the inf check is reduced over the mesh, so every rank skips the same steps."""
+    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
 
 def free_port():
@@ -356,6 +454,22 @@ def init_mesh(device_type, mesh_shape, mesh_dim_names, timeout):
 
 
 # --8<-- [start:model]
+# Llama-shaped sizes. debug is what every test and lesson trains (a CPU step in milliseconds).
+# 1b has Llama-3.2-1B's shape but an untied output layer (1.50B parameters, not 1.24B); 8b has
+# Llama-3.1-8B's dimensions (8.03B). Fields left as None follow from the others: num_kv_heads
+# = num_heads (no grouped-query attention), ffn_dim = 4 x dim.
+MODEL_PRESETS = {
+    "debug": dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=None, ffn_dim=None,
+                  vocab_size=64, seq_len=32, micro_batch_size=8, rope_theta=1e4),
+    "small": dict(dim=256, num_layers=4, num_heads=8, num_kv_heads=4, ffn_dim=768,
+                  vocab_size=256, seq_len=256, micro_batch_size=8, rope_theta=1e4),
+    "1b": dict(dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, ffn_dim=8192,
+               vocab_size=128256, seq_len=2048, micro_batch_size=4, rope_theta=5e5),
+    "8b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
+               vocab_size=128256, seq_len=8192, micro_batch_size=1, rope_theta=5e5),
+}
+
+
 def initial_value(name, shape, seed):
     """Initial value of one parameter, keyed by its name: the same on every rank, whatever
     the parallel layout, so sharded and pipelined labs can build it piece by piece."""
@@ -373,12 +487,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # In fp32, as Meta's Llama does: in fp16 the backward of rsqrt at a small mean square
+        # (embeddings of std 0.02) exceeds 65504 and the gradient becomes inf. A no-op in fp32.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
 
 
-def rope_tables(seq_len, head_dim, device):
+def rope_tables(seq_len, head_dim, device, theta):
     """Rotary-embedding cos/sin, computed per call: no buffers, so DDP has none to broadcast."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -391,12 +509,13 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim, num_heads):
+    def __init__(self, dim, num_heads, num_kv_heads, rope_theta):
         super().__init__()
-        self.head_dim = dim // num_heads
+        self.head_dim, self.rope_theta = dim // num_heads, rope_theta
+        kv_dim = num_kv_heads * self.head_dim  # grouped-query attention: fewer k/v heads
         self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x):
@@ -404,9 +523,10 @@ class Attention(nn.Module):
         # -1 heads: tensor parallel shards wq/wk/wv by heads, and this still works unchanged.
         q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
-        cos, sin = rope_tables(seq_len, self.head_dim, x.device)
+        cos, sin = rope_tables(seq_len, self.head_dim, x.device, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
@@ -424,12 +544,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, num_heads):
+    def __init__(self, cfg):
         super().__init__()
-        self.attention_norm = RMSNorm(dim)
-        self.attention = Attention(dim, num_heads)
-        self.ffn_norm = RMSNorm(dim)
-        self.feed_forward = FeedForward(dim, 4 * dim)
+        self.attention_norm = RMSNorm(cfg.dim)
+        self.attention = Attention(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.rope_theta)
+        self.ffn_norm = RMSNorm(cfg.dim)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -440,12 +560,12 @@ class TinyLlama(nn.Module):
     """Llama-style decoder. Layers live in a ModuleDict keyed by index, so a pipeline stage can
     delete the others (and set tok_embeddings / norm / output to None) without renaming."""
 
-    def __init__(self, vocab_size, dim, num_layers, num_heads):
+    def __init__(self, cfg):
         super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab_size, dim)
-        self.layers = nn.ModuleDict({str(i): Block(dim, num_heads) for i in range(num_layers)})
-        self.norm = RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab_size, bias=False)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -461,7 +581,13 @@ class TinyLlama(nn.Module):
 
 
 def build_model(cfg):
-    return TinyLlama(cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.num_heads)
+    return TinyLlama(cfg)
+
+
+def parameter_shapes(cfg):
+    """{name: shape} of build_model(cfg), built on the meta device: no memory, any size."""
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in build_model(cfg).named_parameters()}
 # --8<-- [end:model]
 
 
@@ -485,6 +611,66 @@ class SyntheticSequences(Dataset):
         return tokens[:-1], tokens[1:]
 
 
+class TokenWindows(Dataset):
+    """A real corpus: non-overlapping windows of seq_len + 1 tokens from one file, memory-mapped
+    (torch.from_file, private mapping: pages load on first touch, the file is never written).
+    *.bin: raw token ids, uint16 or uint32 (the train.bin of nanoGPT-style preparation scripts);
+    any other file: its bytes, a vocabulary of 256. Window i starts at token i * seq_len; the
+    sampler shuffles the windows per epoch, so the order changes and resume stays exact."""
+
+    def __init__(self, path, seq_len, dtype_name):
+        dtype = token_dtype(path, dtype_name)
+        count = os.path.getsize(path) // dtype.itemsize
+        self.tokens = torch.from_file(str(path), shared=False, size=count, dtype=dtype)
+        self.seq_len = seq_len
+
+    def __len__(self):
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, index):
+        start = index * self.seq_len
+        window = self.tokens[start:start + self.seq_len + 1].to(torch.int64)
+        return window[:-1], window[1:]
+
+
+def token_dtype(path, dtype_name):
+    if not str(path).endswith(".bin"):
+        return torch.uint8
+    return {"uint16": torch.uint16, "uint32": torch.uint32}[dtype_name]
+
+
+def build_dataset(cfg):
+    if cfg.data:
+        return TokenWindows(cfg.data, cfg.seq_len, cfg.data_dtype)
+    return SyntheticSequences(cfg.num_samples, cfg.seq_len, cfg.vocab_size, cfg.seed)
+
+
+def dataset_length(cfg):
+    if not cfg.data:
+        return cfg.num_samples
+    return max(0, (os.path.getsize(cfg.data) // token_dtype(cfg.data, cfg.data_dtype).itemsize
+                   - 1) // cfg.seq_len)
+
+
+def validate_data_file(cfg):
+    """Before any process group: the file exists, has whole tokens, and every id fits the
+    vocabulary (on a GPU an id out of range is a device-side assert, far from its cause)."""
+    path = Path(cfg.data)
+    if not path.is_file():
+        fail_config("--data", f"no such file: {path}")
+    dtype = token_dtype(path, cfg.data_dtype)
+    if path.stat().st_size % dtype.itemsize:
+        fail_config("--data", f"{path.stat().st_size} bytes is not a whole number of "
+                    f"{cfg.data_dtype} tokens; is --data-dtype right?")
+    tokens = torch.from_file(str(path), shared=False, size=path.stat().st_size // dtype.itemsize,
+                             dtype=dtype)
+    chunk = 1 << 24  # one pass in 16M-token pieces: a 10B-token file takes a minute
+    largest = max((int(tokens[i:i + chunk].to(torch.int64).max()) for i in
+                   range(0, len(tokens), chunk)), default=0)
+    if largest >= cfg.vocab_size:
+        fail_config("--data", f"holds token id {largest}, but --vocab-size is {cfg.vocab_size}")
+
+
 class ResumableDistributedSampler(DistributedSampler):
     """A DistributedSampler that can start mid-epoch, so a resumed run sees exactly the batches
     the interrupted one would have seen next."""
@@ -500,9 +686,11 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start_index
 
 
-def micro_batches(cfg, rank, world_size, start_step):
-    """Yield this rank's micro-batches forever, starting at optimizer step `start_step`."""
-    dataset = SyntheticSequences(cfg.num_samples, cfg.seq_len, cfg.vocab_size, cfg.seed)
+def micro_batches(cfg, rank, world_size, start_step, pin_memory=False):
+    """Yield this rank's micro-batches forever, starting at optimizer step `start_step`.
+    pin_memory (on CUDA): a non_blocking copy from pageable memory is synchronous anyway; from
+    pinned memory it overlaps with compute."""
+    dataset = build_dataset(cfg)
     sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank,
                                           shuffle=True, seed=cfg.seed, drop_last=True)
     micro_batch = cfg.batch_size // (world_size * cfg.grad_accum)
@@ -511,7 +699,7 @@ def micro_batches(cfg, rank, world_size, start_step):
     # RNG stream than an uninterrupted one. Seeded per epoch below, so both draw the same.
     seeds = torch.Generator()
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True,
-                        num_workers=cfg.num_workers, generator=seeds,
+                        num_workers=cfg.num_workers, generator=seeds, pin_memory=pin_memory,
                         timeout=cfg.timeout_s if cfg.num_workers else 0)
     per_epoch = sampler.num_samples // micro_batch
     epoch, skip = divmod(start_step * cfg.grad_accum, per_epoch)
@@ -532,14 +720,6 @@ def peak_memory_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def seconds_since(t0, device):
-    """Wall time since t0 once the device has finished its queued work: CUDA kernels run
-    asynchronously, so without the synchronize a step time measures the CPU's dispatch."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
-
-
 def log_line(step, loss, step_s, tokens_per_s, data_share, mem_bytes):
     return (f"step {step:4d} | loss {loss:.4f} | {step_s * 1e3:.1f} ms | "
             f"{tokens_per_s:.0f} tok/s | data {data_share:.0%} | mem {mem_bytes / 2**30:.2f} GiB")
@@ -554,12 +734,224 @@ def write_json_atomic(path, payload):
 
 
 def summary_line(metrics):
-    parity = metrics["parity_max_abs_diff"]
+    parity, mfu = metrics["parity_max_abs_diff"], metrics["mfu"]
     return (f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']} | "
             f"{metrics['steps']} steps | loss {metrics['final_loss']:.4f} | parity "
             f"{'n/a' if parity is None else f'{parity:.1e}'} | "
-            f"{metrics['tokens_per_s']:.0f} tok/s | {metrics['wall_time_s']:.1f} s")
+            f"{metrics['tokens_per_s']:.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu:.1%}'} | "
+            f"{metrics['wall_time_s']:.1f} s")
+
+
+# Dense bf16 tensor-core peaks (no sparsity), as in torchtitan's get_peak_flops
+# (torchtitan/tools/utils.py), from NVIDIA's datasheets; fp16 for the GPUs without bf16.
+# Memory is the nominal size on the box. Keys are what --plan --gpu takes; "match" finds the
+# entry for torch.cuda.get_device_name() (first match wins, most specific first).
+GPU_SPECS = {
+    "B200-180GB": dict(match=("b200",), memory_gb=180, peak_flops=2.25e15, bf16=True),
+    "H200-141GB": dict(match=("h200",), memory_gb=141, peak_flops=989e12, bf16=True),
+    "H100-NVL-94GB": dict(match=("h100", "nvl"), memory_gb=94, peak_flops=835e12, bf16=True),
+    "H100-PCIe-80GB": dict(match=("h100", "pcie"), memory_gb=80, peak_flops=756e12, bf16=True),
+    "H100-80GB": dict(match=("h100",), memory_gb=80, peak_flops=989e12, bf16=True),
+    "A100-80GB": dict(match=("a100", "80"), memory_gb=80, peak_flops=312e12, bf16=True),
+    "A100-40GB": dict(match=("a100",), memory_gb=40, peak_flops=312e12, bf16=True),
+    "L40S-48GB": dict(match=("l40s",), memory_gb=48, peak_flops=362e12, bf16=True),
+    "L4-24GB": dict(match=("l4",), memory_gb=24, peak_flops=121e12, bf16=True),
+    "V100-32GB": dict(match=("v100",), memory_gb=32, peak_flops=125e12, bf16=False),
+    "T4-16GB": dict(match=("t4",), memory_gb=16, peak_flops=65e12, bf16=False),
+}
+
+
+def gpu_spec_for(device_name):
+    """(key, spec) of GPU_SPECS for a device name, or (None, None): no guess for an unknown GPU."""
+    name = device_name.lower()
+    for key, spec in GPU_SPECS.items():
+        if all(part in name for part in spec["match"]):
+            return key, spec
+    return None, None
+
+
+def measure_matmul_peak(device, dtype, size=512, seconds=0.3):
+    """FLOP/s of one square matmul on this process's threads: the CPU's stand-in for a
+    datasheet peak. Run on every rank at once, as in training, so the ranks share the cores."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b  # warm-up: thread pool, caches
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        calls += 1
+    return 2 * size ** 3 * calls / (time.perf_counter() - t0)
+
+
+def device_peak_flops(device, dtype):
+    """(peak FLOP/s per device, where the figure comes from)."""
+    if device.type == "cuda":
+        key, spec = gpu_spec_for(torch.cuda.get_device_name(device))
+        if spec is None:
+            return None, f"no GPU_SPECS entry for {torch.cuda.get_device_name(device)}"
+        return spec["peak_flops"], f"{key} datasheet, {'bf16' if spec['bf16'] else 'fp16'} dense"
+    # fp32 whatever the run's dtype: CPUs without bf16/fp16 matrix units emulate them, slower
+    # than fp32, and a slow peak would flatter the MFU (it can pass 100%).
+    measured = measure_matmul_peak(device, torch.float32)
+    return measured, (f"measured here: fp32 512x512 matmul on {torch.get_num_threads()} "
+                      f"thread(s) per rank")
+
+
+def flops_per_token(cfg, seq_len):
+    """Training FLOPs per token: 6 per weight that multiplies (2 forward, 4 backward; the
+    embedding is a lookup, so it is left out), plus attention's QK^T and AV, 12 x layers x
+    heads x head_dim x seq_len (PaLM, arXiv:2204.02311, appendix B; causal masking is not
+    subtracted, as in torchtitan). With the actual sequence length, not the preset's."""
+    shapes = parameter_shapes(cfg)
+    matmul_params = sum(math.prod(s) for n, s in shapes.items() if "embeddings" not in n)
+    return 6 * matmul_params + 12 * cfg.num_layers * cfg.dim * seq_len
+
+
+def utilisation(cfg, log, world_size, device, dtype):
+    """Throughput, FLOPs per token, achieved FLOP/s per rank, the peak and MFU. Every rank
+    calls it at once: on CPU each measures its matmul peak while the others do too."""
+    tokens_per_s = log.steady_tokens_per_s(cfg.batch_size * cfg.seq_len)
+    per_token = flops_per_token(cfg, cfg.seq_len)
+    achieved = per_token * tokens_per_s / world_size
+    peak, source = device_peak_flops(device, dtype)
+    return {"tokens_per_s": tokens_per_s, "flops_per_token": per_token,
+            "achieved_flops_per_rank": achieved, "peak_flops_per_rank": peak,
+            "peak_source": source, "mfu": achieved / peak if peak else None}
+
+
+def common_metrics(cfg, log, world_size, device, wall_start, usage, parity, ref_losses):
+    """The metrics JSON fields every lab writes (rank 0); each lab adds its own."""
+    losses = log.losses
+    return {
+        "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
+        "world_size": world_size, "steps": losses[-1][0] if losses else 0,
+        "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
+        "reference_losses": ref_losses, "parity_max_abs_diff": parity,
+        "parity_tol": cfg.parity_tol, **usage, "step_windows": log.windows,
+        "first_step_s": log.windows[0]["seconds"] if log.windows else None,
+        "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
+        "wall_time_s": time.perf_counter() - wall_start,
+        "torch_version": torch.__version__, "config": vars(cfg),
+    }
 # --8<-- [end:metrics]
+
+
+# --8<-- [start:plan]
+MEMORY_LEFT_OUT = (
+    "the CUDA context and NCCL's buffers (about 0.5-1 GB per process)",
+    "allocator fragmentation and cached-but-free blocks",
+    "temporaries inside one op (attention workspace, the optimizer's foreach buffers)",
+    "a checkpoint's staging copies while it is saved",
+)
+FIT_FRACTION = 0.9  # the estimate may fill 90% of a device; the rest is for MEMORY_LEFT_OUT
+
+
+def device_capacity_bytes(device_type, num_local_ranks):
+    """What one rank may use: its GPU's memory, or an even share of this machine's RAM."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // num_local_ranks
+
+
+def activation_elements_per_token(cfg):
+    """Elements one block saves for backward per token, counted from Block.forward with a fused
+    (flash) attention that keeps no seq x seq scores: the norms' inputs and outputs, q/k/v
+    before and after RoPE, the attention output, and SwiGLU's four hidden-width tensors."""
+    kv_dim = cfg.num_kv_heads * (cfg.dim // cfg.num_heads)
+    return 9 * cfg.dim + 3 * kv_dim + 4 * cfg.ffn_dim
+
+
+def estimate_memory(cfg, layout, dtype):
+    """Bytes the busiest rank needs, by item (AdamW, fp32 master weights and gradients).
+
+    layout (from the lab's plan_layout): state_shards / optimizer_shards, the ranks that
+    split each parameter's state; tp, the tensor-parallel degree; layers, the blocks a rank
+    holds; in_flight, the micro-batches whose activations it holds at once; micro_batch, the
+    sequences in each; fsdp, whether blocks are gathered whole; ddp_buckets, DDP's copy of
+    the gradients."""
+    shapes = parameter_shapes(cfg)
+    block = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0."))
+    outside = sum(math.prod(s) for n, s in shapes.items() if not n.startswith("layers."))
+    held = layout["layers"] * block + outside
+    compute_bytes = 4 if dtype is None else 2
+    tokens = layout["micro_batch"] * cfg.seq_len
+    per_block_act = activation_elements_per_token(cfg) * tokens * compute_bytes // layout["tp"]
+    stored_blocks = 1 if getattr(cfg, "activation_checkpointing", False) else layout["layers"]
+    checkpointed = (layout["layers"] - stored_blocks) * cfg.dim * tokens * compute_bytes
+    items = {
+        "params (fp32)": 4 * held // layout["state_shards"],
+        "grads (fp32)": 4 * held // layout["state_shards"],
+        "AdamW state (2 x fp32)": 8 * held // layout["optimizer_shards"],
+        "DDP gradient buckets": 4 * held if layout["ddp_buckets"] else 0,
+        # The block that computes and the one prefetched, unsharded, with their gradients.
+        "gathered blocks (FSDP)": (2 * block * (compute_bytes + 4) // layout["tp"]
+                                   if layout["fsdp"] else 0),
+        "activations": layout["in_flight"] * (stored_blocks * per_block_act + checkpointed),
+        # Logits in the compute dtype, their fp32 copy for the loss, and its gradient.
+        "logits and loss": tokens * cfg.vocab_size * (compute_bytes + 8),
+    }
+    return {name: value for name, value in items.items() if value}
+
+
+def check_fits(cfg, layout, dtype, capacity, label):
+    """Refuse a run whose estimate cannot fit, before any process group: one line, exit 2."""
+    items = estimate_memory(cfg, layout, dtype)
+    need = sum(items.values())
+    if need > FIT_FRACTION * capacity:
+        biggest = max(items, key=items.get)
+        fail_config("--model", f"{cfg.model} needs about {need / 1e9:.1f} GB per rank "
+                    f"({biggest}: {items[biggest] / 1e9:.1f} GB), {label} has "
+                    f"{capacity / 1e9:.1f} GB: see --plan, or choose a smaller --model")
+
+
+def plan_target(cfg, world_size):
+    """(label, capacity per rank, dtype, peak FLOP/s) of the hardware a plan is for."""
+    if cfg.gpu:
+        spec = GPU_SPECS[cfg.gpu]
+        dtype = choose_precision(cfg.amp, "cuda", spec["bf16"])
+        return (f"{world_size} x {cfg.gpu}", spec["memory_gb"] * 1e9, dtype, spec["peak_flops"])
+    device_type = pick_device_type(cfg)
+    capacity = device_capacity_bytes(device_type, min(world_size, local_world_size()) or 1)
+    return (f"{world_size} x this machine's {device_type}", capacity,
+            compute_dtype(cfg, device_type), None)
+
+
+def print_plan(cfg, layout, world_size):
+    label, capacity, dtype, peak = plan_target(cfg, world_size)
+    items = estimate_memory(cfg, layout, dtype)
+    need, num_params = sum(items.values()), sum(math.prod(s) for s in parameter_shapes(cfg).values())
+    fits = need <= FIT_FRACTION * capacity
+    lines = [f"plan | {LAB_NAME} | {label} | --model {cfg.model}: {num_params / 1e9:.2f}B params, "
+             f"seq {cfg.seq_len}, micro-batch {cfg.micro_batch_size}, global batch {cfg.batch_size}",
+             f"mesh: {layout['mesh']} ({layout['what']})",
+             f"precision: {precision_name(dtype)} compute; {layout['precision']}",
+             f"FLOPs per token: {flops_per_token(cfg, cfg.seq_len) / 1e9:.1f} GFLOP"
+             + (f"; peak {peak / 1e12:.0f} TFLOP/s per GPU" if peak else ""),
+             "memory per rank (estimate, the busiest rank):"]
+    lines += [f"  {name:28s} {value / 1e9:8.2f} GB" for name, value in items.items()]
+    lines += [f"  {'total':28s} {need / 1e9:8.2f} GB of {capacity / 1e9:.1f} GB: "
+              f"{'fits' if fits else 'does NOT fit'} (limit {FIT_FRACTION:.0%})",
+              "not counted: " + "; ".join(MEMORY_LEFT_OUT)]
+    if not fits and getattr(cfg, "activation_checkpointing", True) is False:
+        recompute = argparse.Namespace(**{**vars(cfg), "activation_checkpointing": True})
+        total = sum(estimate_memory(recompute, layout, dtype).values())
+        lines.append(f"with --activation-checkpointing: {total / 1e9:.2f} GB, "
+                     f"{'fits' if total <= FIT_FRACTION * capacity else 'still does NOT fit'}")
+    print("\n".join(lines))
+    return fits
+
+
+def plan_or_refuse(cfg, layout, world_size):
+    """--plan: print the plan, exit 0. Otherwise refuse a run whose estimate cannot fit."""
+    if cfg.plan:
+        print_plan(cfg, layout, world_size)
+        sys.exit(0)
+    device_type = pick_device_type(cfg)
+    capacity = device_capacity_bytes(device_type, local_world_size())
+    check_fits(cfg, layout, compute_dtype(cfg, device_type), capacity,
+               f"this machine's {device_type}")
+# --8<-- [end:plan]
 
 
 # --8<-- [start:faults]
@@ -600,8 +992,9 @@ def maybe_stall(cfg, step, rank, preemption):
 
 
 class PreemptionWatch:
-    """SIGTERM (a scheduler preempting the job) only raises a flag; the loop finishes the
-    step, and all ranks agree with one all-reduce so they checkpoint and stop together."""
+    """SIGTERM (a scheduler preempting the job) only raises a flag; the loop goes on to its next
+    sync point (StepLog.add), where all ranks agree in one all-reduce, so they checkpoint and
+    stop together."""
 
     def __init__(self):
         self.requested = False
@@ -609,11 +1002,6 @@ class PreemptionWatch:
 
     def _on_sigterm(self, signum, frame):
         self.requested = True
-
-    def agreed(self, device):
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 # --8<-- [end:faults]
 
 
@@ -641,6 +1029,89 @@ def set_learning_rate(optimizers, cfg, step):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
 # --8<-- [end:schedule]
+
+
+# --8<-- [start:loop]
+class StepLog:
+    """Losses, step times and the preemption flag, read from the device at sync points only.
+
+    CUDA runs ahead of Python, and anything that reads a device value on the host
+    (loss.item(), the result of a flag's all-reduce, torch.cuda.synchronize) makes Python
+    wait until the GPU has caught up, and the launch queue runs dry. So each step's loss
+    stays on the device. At a sync point (the first step, whose time includes warm-up; every
+    --log-every steps; each checkpoint step; the last step) one all-reduce carries every
+    pending loss and the preemption flag, and one read brings them to the host. That read
+    returns only when the device has finished the window's work, so a window's time is honest
+    on CUDA without a synchronize per step."""
+
+    def __init__(self, cfg, device, start_step, last_step, loss_divisor):
+        self.cfg, self.device, self.first, self.last = cfg, device, start_step + 1, last_step
+        self.loss_divisor = loss_divisor  # the all-reduce sums; this turns it into the mean
+        self.pending, self.losses, self.windows = [], [], []
+        self.data_s, self.window_start = 0.0, time.perf_counter()
+
+    def is_sync_point(self, step):
+        every = self.cfg.checkpoint_every if self.cfg.checkpoint_dir else 0
+        return (step in (self.first, self.last) or step % self.cfg.log_every == 0
+                or bool(every and step % every == 0))
+
+    def add(self, step, loss, data_s, preemption):
+        """Record one step. At a sync point, returns whether any rank was asked to stop."""
+        self.pending.append(loss.detach().float().reshape(1))
+        self.data_s += data_s
+        if not self.is_sync_point(step):
+            return False
+        flag = torch.tensor([float(preemption.requested)], device=self.device)
+        packed = torch.cat([*self.pending, flag])
+        dist.all_reduce(packed)  # SUM: every rank's losses, and how many ranks must stop
+        *sums, stops = packed.tolist()  # the window's one host read
+        seconds = time.perf_counter() - self.window_start
+        first = step - len(sums) + 1
+        self.losses += [[first + i, total / self.loss_divisor] for i, total in enumerate(sums)]
+        self.windows.append({"last_step": step, "steps": len(sums), "seconds": seconds,
+                             "data_s": self.data_s})
+        self.pending, self.data_s, self.window_start = [], 0.0, time.perf_counter()
+        return stops > 0
+
+    def log(self, tokens_per_step, device):
+        window = self.windows[-1]
+        step_s = window["seconds"] / window["steps"]
+        return log_line(window["last_step"], self.losses[-1][1], step_s,
+                        tokens_per_step / step_s, window["data_s"] / window["seconds"],
+                        peak_memory_bytes(device))
+
+    def steady_tokens_per_s(self, tokens_per_step):
+        """Throughput after the first step (compile, allocator warm-up, lazy init)."""
+        steady = self.windows[1:] or self.windows
+        return tokens_per_step * sum(w["steps"] for w in steady) / sum(w["seconds"] for w in steady)
+
+    def data_share(self):
+        return sum(w["data_s"] for w in self.windows) / max(sum(w["seconds"] for w in self.windows), 1e-9)
+
+
+def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
+    """Steps start_step+1 .. the last: step_fn(step) -> (loss, data seconds); save_fn(step)
+    writes a checkpoint. Logs, checkpoints and preemption happen at StepLog's sync points."""
+    last_step = cfg.stop_at_step or cfg.steps
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    preemption = PreemptionWatch()
+    for step in range(start_step + 1, last_step + 1):
+        maybe_inject_failure(cfg, step, rank)
+        maybe_stall(cfg, step, rank, preemption)
+        loss, data_s = step_fn(step)
+        preempted = log.add(step, loss, data_s, preemption)
+        if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
+            print(log.log(tokens_per_step, device), flush=True)
+        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                                   or step == last_step or preempted):
+            save_fn(step)
+        if preempted:
+            if rank == 0:
+                print(f"preempted: checkpoint at step {step} written, exiting "
+                      f"{PREEMPTED_EXIT_CODE}", flush=True)
+            teardown_distributed()
+            sys.exit(PREEMPTED_EXIT_CODE)
+# --8<-- [end:loop]
 
 # The point of the lab: a 2D mesh, the TP plan per block, then FSDP over "dp".
 def build_mesh(cfg, world_size, device):
@@ -732,9 +1203,10 @@ def apply_fsdp(model, dp_mesh, cfg, device):
     # fully_shard then shards those again over "dp" (2D placements). FSDP's all-gather over "dp"
     # rebuilds exactly the tp-local shard that TP's hooks expect. Each block is one FSDP unit:
     # all-gather before forward, again before backward, one reduce-scatter of its gradients.
-    bf16 = resolve_amp(cfg, device.type) == "bf16"
-    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                 if bf16 else MixedPrecisionPolicy())
+    # Low precision (bf16 on CUDA by default): gathered and used in it, reduced in fp32.
+    low = compute_dtype(cfg, device.type)
+    mp_policy = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+                 if low is not None else MixedPrecisionPolicy())
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)  # root: embeddings, norm, output
@@ -947,13 +1419,14 @@ def loss_fn(logits, targets):
                            targets.flatten())
 
 
-def train_step(model, optimizer, batches, cfg, device, parallel_loss, step, probe=None):
-    """Optimizer step `step` (1-based), of grad_accum micro-steps. Returns (loss, data-wait
-    seconds)."""
+def train_step(model, optimizer, scaler, batches, cfg, device, parallel_loss, step, probe=None):
+    """Optimizer step `step` (1-based), of grad_accum micro-steps. Returns (loss on the device,
+    data-wait seconds)."""
     data_s, total_loss = 0.0, 0.0
-    # bf16: FSDP already gathers bf16 weights. Autocast is kept as in lab01 (--amp); it once
-    # also stopped the fp32 RoPE tables promoting q and k, which apply_rope's type_as now does.
-    bf16 = resolve_amp(cfg, device.type) == "bf16"
+    # Low precision: FSDP already gathers bf16 weights. Autocast is kept as in lab01 (--amp);
+    # it once also stopped the fp32 RoPE tables promoting q and k, which apply_rope's type_as
+    # now does.
+    low = compute_dtype(cfg, device.type)
     for micro in range(cfg.grad_accum):
         t0 = time.perf_counter()
         inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))
@@ -963,16 +1436,18 @@ def train_step(model, optimizer, batches, cfg, device, parallel_loss, step, prob
         # loss_parallel must cover the backward too: it swaps in the sharded loss's gradient.
         with loss_parallel() if parallel_loss else contextlib.nullcontext():
             with probe if probe and micro == 0 else contextlib.nullcontext():
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                with torch.autocast(device.type, dtype=low, enabled=low is not None):
                     logits = model(inputs)
                 loss = loss_fn(logits, targets) / cfg.grad_accum
-            loss.backward()
+            scaler.scale(loss).backward()
         loss = loss.detach()
         total_loss += loss.to_local() if isinstance(loss, DTensor) else loss
     if cfg.clip:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
         clip_grad_norm_(model.parameters(), cfg.clip)
     set_learning_rate([optimizer], cfg, step)
-    optimizer.step()
+    scaler.step(optimizer)  # skips the step if fp16 gradients overflowed (on any rank)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total_loss, data_s
 
@@ -993,7 +1468,8 @@ def train_reference(cfg, dp_size, device):
 
     batches = rank_major_micro_batches()
     accumulate_all = argparse.Namespace(**{**vars(cfg), "grad_accum": dp_size * cfg.grad_accum})
-    losses = [train_step(model, optimizer, batches, accumulate_all, device, False, step)[0].item()
+    fp32 = make_grad_scaler(None, device)  # disabled: the reference runs in fp32
+    losses = [train_step(model, optimizer, fp32, batches, accumulate_all, device, False, step)[0].item()
               for step in range(1, cfg.steps + 1)]
     return model, losses
 
@@ -1012,14 +1488,15 @@ def check_parity(cfg, model, rank, dp_size, device):
     return max_diff, ref_losses
 
 
-def count_first_step(cfg, model, optimizer, batches, device, rank, world_size, step, mesh):
+def count_first_step(cfg, model, optimizer, scaler, batches, device, rank, world_size, step,
+                     mesh):
     """The run's first step under CommCounter and SavedActivationBytes: what one step costs
     a rank."""
     groups = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group(), "world": dist.group.WORLD}
     counter, saved = CommCounter(groups), SavedActivationBytes(model)
     with counter:
-        loss, data_s = train_step(model, optimizer, batches, cfg, device, cfg.loss_parallel,
-                                  step, probe=saved)
+        loss, data_s = train_step(model, optimizer, scaler, batches, cfg, device,
+                                  cfg.loss_parallel, step, probe=saved)
     activations = [None] * world_size
     dist.all_gather_object(activations, saved.total)
     return loss, data_s, {
@@ -1037,80 +1514,56 @@ def train(cfg, rank, world_size, device):
     extra = {"mesh": [dp_size, tp_size], **inspect_tp_fsdp(model, cfg, tp_size)}
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     start_step = load_checkpoint(cfg, model, optimizer, rank)
+    low = compute_dtype(cfg, device.type)
+    scaler = make_grad_scaler(low, device)
     # TP ranks must see the same batch: data is split over "dp" only.
-    batches = micro_batches(cfg, mesh["dp"].get_local_rank(), dp_size, start_step)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    batches = micro_batches(cfg, mesh["dp"].get_local_rank(), dp_size, start_step,
+                            pin_memory=device.type == "cuda")
     last_step = cfg.stop_at_step or cfg.steps
-    losses, step_times, data_times = [], [], []
+    # Summed over every rank: tp ranks hold the same loss, so divide by the world.
+    log = StepLog(cfg, device, start_step, last_step, loss_divisor=world_size)
     if rank == 0:
         print(f"{LAB_NAME} | {dist.get_backend()} x{world_size} | {device} | mesh (dp, tp) = "
               f"({dp_size}, {tp_size}) | sp {cfg.sequence_parallel} | loss parallel "
-              f"{cfg.loss_parallel} | {str(param_dtype(cfg))[6:]} | "
-              f"steps {start_step + 1}..{last_step}", flush=True)
-    preemption = PreemptionWatch()
-    for step in range(start_step + 1, last_step + 1):
-        maybe_inject_failure(cfg, step, rank)
-        maybe_stall(cfg, step, rank, preemption)
-        t0 = time.perf_counter()
+              f"{cfg.loss_parallel} | params {str(param_dtype(cfg))[6:]}, compute "
+              f"{precision_name(low)} | steps {start_step + 1}..{last_step}", flush=True)
+
+    def step_fn(step):
         if step == start_step + 1 and cfg.count_comms:
-            loss, data_s, counts = count_first_step(cfg, model, optimizer, batches, device,
-                                                    rank, world_size, step, mesh)
+            loss, data_s, counts = count_first_step(cfg, model, optimizer, scaler, batches,
+                                                    device, rank, world_size, step, mesh)
             extra.update(counts)
-        else:
-            loss, data_s = train_step(model, optimizer, batches, cfg, device, cfg.loss_parallel,
-                                      step)
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # mean over dp (tp ranks agree already)
-        step_s = seconds_since(t0, device)
-        losses.append([step, loss.item()])
-        step_times.append(step_s)
-        data_times.append(data_s)
-        if rank == 0 and (step % cfg.log_every == 0 or step == last_step):
-            print(log_line(step, loss.item(), step_s, tokens_per_step / step_s,
-                           data_s / step_s, peak_memory_bytes(device)), flush=True)
-        preempted = preemption.agreed(device)
-        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-                                   or step == last_step or preempted):
-            save_checkpoint(cfg, model, optimizer, step, rank)
-        if preempted:
-            if rank == 0:
-                print(f"preempted: checkpoint at step {step} written, exiting "
-                      f"{PREEMPTED_EXIT_CODE}", flush=True)
-            teardown_distributed()
-            sys.exit(PREEMPTED_EXIT_CODE)
+            return loss, data_s
+        return train_step(model, optimizer, scaler, batches, cfg, device, cfg.loss_parallel, step)
+
+    train_loop(cfg, rank, device, start_step, log, step_fn,
+               lambda step: save_checkpoint(cfg, model, optimizer, step, rank))
     state = [None] * world_size
     dist.all_gather_object(state, {"params": local_bytes(model.parameters()),
                                    "optimizer": local_bytes(t for s in optimizer.state.values()
                                                             for t in s.values())})
     extra["state_bytes_per_rank"] = state
     shares = [None] * world_size  # a straggler shows up as one rank with a high data-wait share
-    dist.all_gather_object(shares, sum(data_times) / max(sum(step_times), 1e-9))
+    dist.all_gather_object(shares, log.data_share())
     extra["data_share_per_rank"] = shares
-    return model, losses, step_times, dp_size, extra
+    return model, log, dp_size, extra
 
 
 def run(cfg, rank, world_size, device, wall_start):
     """Train, check parity, report. Every model (and DDP reducer) lives and dies in here."""
-    model, losses, step_times, dp_size, extra = train(cfg, rank, world_size, device)
+    model, log, dp_size, extra = train(cfg, rank, world_size, device)
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory_bytes(device))
+    low = compute_dtype(cfg, device.type)
+    usage = utilisation(cfg, log, world_size, device, low)  # every rank at once
     parity, ref_losses = None, None
     if cfg.check_parity:
         parity, ref_losses = check_parity(cfg, model, rank, dp_size, device)
     dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
     if rank == 0:
-        steady = step_times[1:] or step_times
-        metrics = {
-            "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
-            "world_size": world_size, "steps": losses[-1][0] if losses else 0,
-            "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
-            "reference_losses": ref_losses, "parity_max_abs_diff": parity,
-            "parity_tol": cfg.parity_tol,
-            "tokens_per_s": cfg.batch_size * cfg.seq_len * len(steady) / sum(steady),
-            "peak_mem_bytes_per_rank": peaks,
-            "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
-            "wall_time_s": time.perf_counter() - wall_start,
-            "torch_version": torch.__version__, "config": vars(cfg), **extra,
-        }
+        metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage, parity,
+                                    ref_losses),
+                   "precision": precision_name(low), "peak_mem_bytes_per_rank": peaks, **extra}
         if cfg.metrics_out:
             write_json_atomic(cfg.metrics_out, metrics)
         print(summary_line(metrics), flush=True)
