@@ -265,7 +265,6 @@ def record_batch_size(cfg):
 def parse_config(argv=None):
     parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
-    parser.set_defaults(micro_batch_size=16)  # per TP group: the 2 ranks of a tp=2 group share it
     arg = parser.add_argument
     arg("--tp", type=int, default=0,
         help="tensor-parallel degree: ranks per TP group (keep it inside a node); dp = world / "
@@ -281,6 +280,8 @@ def parse_config(argv=None):
     arg("--count-comms", action="store_true",
         help="measure step 1: collectives by type (CommDebugMode) and saved activation bytes")
     cfg = parser.parse_args(argv)
+    if cfg.model == "debug":  # per TP group: the 2 ranks of a tp=2 group share it
+        cfg.micro_batch_size = cfg.micro_batch_size or 16
     world_size = planned_world_size(cfg)
     cfg.tp = cfg.tp or (2 if world_size % 2 == 0 else 1)
     apply_model_preset(cfg)  # validate_tp checks the model's widths

@@ -332,7 +332,10 @@ def parse_config(argv=None):
         # layers default to the smallest multiple of the stage count >= 4 (see validate_pipeline).
         cfg.micro_batch_size = cfg.micro_batch_size or 16
         cfg.num_layers = cfg.num_layers or 0
+    elif cfg.micro_batch_size is None:  # each microbatch the preset's micro-batch size
+        cfg.micro_batch_size = MODEL_PRESETS[cfg.model]["micro_batch_size"] * cfg.microbatches
     world_size = planned_world_size(cfg)
+    apply_model_preset(cfg)  # validate_pipeline cuts the model's layers into stages
     validate_pipeline(cfg, world_size)
     validate_common(cfg, world_size, dp_size=cfg.dp)
     validate_microbatches(cfg, world_size)
