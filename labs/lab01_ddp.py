@@ -21,7 +21,8 @@ Lesson: lessons/01_ddp.py. Runbooks: runbooks/ (OOM, NCCL hangs, DataLoader stal
 Use it in your project:
   - Replace: `build_model()` and `init_weights()` (your model, your init), `SyntheticSequences`
     (your Dataset, still served by `micro_batches()`), `loss_fn()`, the batch unpacking in
-    `train_step()`. `--check-parity` (fp32, no dropout) tests your port on a small config.
+    `train_step()`.
+  - Test your port: `--check-parity` (fp32, no dropout) on a small config.
   - Keep: `init_distributed()` with `attempt_store()` (restarts: runbooks/restart-hang.md);
     `ResumableDistributedSampler` and the set_epoch call in `micro_batches()`
     (runbooks/dataloader-same-order-every-epoch.md); models created inside `run()` and freed
@@ -132,6 +133,7 @@ def add_common_args(parser):
     arg("--gpu", default="",
         help="--plan: the GPU to plan for, a GPU_SPECS key such as H100-80GB (default: this "
              "machine's device)")
+    # lean: begin parity reference and fault drills
     arg("--check-parity", action="store_true",
         help="retrain in one process on the same global batches and compare parameters")
     arg("--parity-tol", type=float, default=1e-5, help="max |param diff| allowed by --check-parity")
@@ -143,6 +145,7 @@ def add_common_args(parser):
     arg("--stall-at-step", type=int, default=0,
         help="fault drill: --fail-rank stops responding at this step, first attempt only; the "
              "others must fail within --timeout-s (0: never)")
+    # lean: end
 
 
 def validate_common(cfg, world_size, dp_size):
@@ -156,8 +159,7 @@ def validate_common(cfg, world_size, dp_size):
         if getattr(cfg, name) <= 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
     for name in ["batch_size", "clip", "num_workers", "checkpoint_every", "stop_at_step",
-                 "parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
-                 "stall_at_step", "warmup_steps", "nproc"]:
+                 "warmup_steps", "nproc"]:
         if getattr(cfg, name) < 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
@@ -186,14 +188,12 @@ def validate_common(cfg, world_size, dp_size):
         flag = "--data" if cfg.data else "--num-samples"
         fail_config(flag, f"{dataset_length(cfg)} sequences of --seq-len {cfg.seq_len}, fewer "
                     f"than one global batch of {cfg.batch_size}")
-    if cfg.fail_rank >= world_size:
-        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
     if cfg.stop_at_step > cfg.steps:
         fail_config("--stop-at-step", f"{cfg.stop_at_step} is beyond --steps {cfg.steps}")
-    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step or cfg.crash_in_checkpoint) \
-            and not cfg.checkpoint_dir:
-        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every, "
-                    "--stop-at-step and --crash-in-checkpoint")
+    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step) and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every and "
+                    "--stop-at-step")
+    validate_drill_flags(cfg, world_size)  # lean: drop
     if cfg.resume and not latest_checkpoint(cfg.checkpoint_dir):
         fail_config("--resume", f"no complete checkpoint in {cfg.checkpoint_dir}")
     if cfg.plan:
@@ -205,8 +205,21 @@ def validate_common(cfg, world_size, dp_size):
     if cfg.amp == "bf16" and device_type == "cuda" and not cuda_has_bf16():
         fail_config("--amp", f"bf16 needs an Ampere or newer GPU; {torch.cuda.get_device_name()} "
                     "has none: use --amp fp16 (or auto)")
-    if cfg.check_parity and compute_dtype(cfg, device_type) is not None:
+
+
+# lean: begin the checks of the parity and drill flags
+def validate_drill_flags(cfg, world_size):
+    for name in ["parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
+                 "stall_at_step"]:
+        if getattr(cfg, name) < 0:
+            fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
+    if cfg.fail_rank >= world_size:
+        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
+    if cfg.crash_in_checkpoint and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --crash-in-checkpoint")
+    if cfg.check_parity and not cfg.plan and compute_dtype(cfg, pick_device_type(cfg)) is not None:
         fail_config("--check-parity", "needs fp32 (--amp off): bf16/fp16 rounding is far above 1e-5")
+# lean: end
 
 
 def apply_model_preset(cfg):
@@ -650,12 +663,15 @@ def write_json_atomic(path, payload):
 
 
 def summary_line(metrics):
-    parity, mfu = metrics["parity_max_abs_diff"], metrics["mfu"]
-    return (f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']} | "
-            f"{metrics['steps']} steps | loss {metrics['final_loss']:.4f} | parity "
-            f"{'n/a' if parity is None else f'{parity:.1e}'} | "
-            f"{metrics['tokens_per_s']:.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu:.1%}'} | "
-            f"{metrics['wall_time_s']:.1f} s")
+    mfu = metrics["mfu"]
+    fields = [f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']}",
+              f"{metrics['steps']} steps", f"loss {metrics['final_loss']:.4f}"]
+    if "parity_max_abs_diff" in metrics:  # the full labs; their lean copies have no reference
+        parity = metrics["parity_max_abs_diff"]
+        fields.append(f"parity {'n/a' if parity is None else f'{parity:.1e}'}")
+    fields += [f"{metrics['tokens_per_s']:.0f} tok/s",
+               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}", f"{metrics['wall_time_s']:.1f} s"]
+    return " | ".join(fields)
 
 
 # Dense bf16 tensor-core peaks (no sparsity), as in torchtitan's get_peak_flops
@@ -736,20 +752,31 @@ def utilisation(cfg, log, world_size, device, dtype):
             "peak_source": source, "mfu": achieved / peak if peak else None}
 
 
-def common_metrics(cfg, log, world_size, device, wall_start, usage, parity, ref_losses):
+def common_metrics(cfg, log, world_size, device, wall_start, usage):
     """The metrics JSON fields every lab writes (rank 0); each lab adds its own."""
     losses = log.losses
     return {
         "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
         "world_size": world_size, "steps": losses[-1][0] if losses else 0,
         "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
-        "reference_losses": ref_losses, "parity_max_abs_diff": parity,
-        "parity_tol": cfg.parity_tol, **usage, "step_windows": log.windows,
+        **usage, "step_windows": log.windows,
         "first_step_s": log.windows[0]["seconds"] if log.windows else None,
         "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
         "wall_time_s": time.perf_counter() - wall_start,
         "torch_version": torch.__version__, "config": vars(cfg),
     }
+
+
+# lean: begin the parity report
+def parity_metrics(cfg, parity, ref_losses):
+    return {"reference_losses": ref_losses, "parity_max_abs_diff": parity,
+            "parity_tol": cfg.parity_tol}
+
+
+def exit_if_parity_fails(parity, tolerance, what="param diff"):
+    if parity is not None and parity > tolerance:
+        sys.exit(f"parity check failed: max |{what}| {parity:.2e} > {tolerance:.0e}")
+# lean: end
 # --8<-- [end:metrics]
 
 
@@ -874,6 +901,7 @@ def plan_or_refuse(cfg, layout, world_size):
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, rerun me"
 
 
+# lean: begin fault injection (the drills of tests/test_fault_tolerance*.py)
 def maybe_inject_failure(cfg, step, rank):
     """--fail-at-step K --fail-rank R: rank R dies abruptly (no cleanup) at step K. Only on the
     first attempt, so the run that torchrun restarts can get past it."""
@@ -905,6 +933,7 @@ def maybe_stall(cfg, step, rank, preemption):
         deadline = time.monotonic() + 10 * cfg.timeout_s
         while time.monotonic() < deadline and not preemption.requested:
             time.sleep(0.1)
+# lean: end
 
 
 class PreemptionWatch:
@@ -1012,8 +1041,8 @@ def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
     tokens_per_step = cfg.batch_size * cfg.seq_len
     preemption = PreemptionWatch()
     for step in range(start_step + 1, last_step + 1):
-        maybe_inject_failure(cfg, step, rank)
-        maybe_stall(cfg, step, rank, preemption)
+        maybe_inject_failure(cfg, step, rank)  # lean: drop
+        maybe_stall(cfg, step, rank, preemption)  # lean: drop
         loss, data_s = step_fn(step)
         preempted = log.add(step, loss, data_s, preemption)
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
@@ -1038,6 +1067,7 @@ def apply_ddp(model, device, cfg):
     return DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
 
 
+# lean: begin inspection
 def inspect_ddp(ddp_model, world_size):
     """What every rank should hold: a full replica, identical everywhere."""
     params = list(ddp_model.module.parameters())
@@ -1045,7 +1075,7 @@ def inspect_ddp(ddp_model, world_size):
     gathered = [torch.zeros_like(checksum) for _ in range(world_size)]
     dist.all_gather(gathered, checksum)
     assert all(torch.equal(g, checksum) for g in gathered), "replicas differ after DDP init"
-    return sum(p.numel() for p in params)
+# lean: end
 
 
 def checkpoint_path(directory, step):
@@ -1072,7 +1102,7 @@ def save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size):
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        maybe_crash_mid_checkpoint(cfg, step)
+        maybe_crash_mid_checkpoint(cfg, step)  # lean: drop
         record_batch_size(cfg)
         os.replace(tmp, final)  # atomic: a reader sees the old set of files or the new one
         for old in sorted(final.parent.glob("step_*.pt"))[:-2]:
@@ -1126,6 +1156,7 @@ def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype):
     return total_loss, data_s
 
 
+# lean: begin the single-process parity reference
 def train_reference(cfg, world_size, device):
     """The single-process run that DDP must match: same init, and each step accumulates the
     gradients of every rank's micro-batches in one process (what DDP's all-reduce computes:
@@ -1158,6 +1189,7 @@ def check_parity(cfg, ddp_model, world_size, device):
     max_diff = max((p - q).abs().max().item() for p, q in
                    zip(ddp_model.module.parameters(), reference.parameters()))
     return max_diff, ref_losses
+# lean: end
 
 
 def train(cfg, rank, world_size, device):
@@ -1165,7 +1197,8 @@ def train(cfg, rank, world_size, device):
     model = build_model(cfg).to(device)
     model.init_weights(cfg.seed)
     ddp_model = apply_ddp(model, device, cfg)
-    num_params = inspect_ddp(ddp_model, world_size)
+    inspect_ddp(ddp_model, world_size)  # lean: drop
+    num_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
     start_step = load_checkpoint(cfg, model, optimizer, rank, device)
     amp_dtype = compute_dtype(cfg, device.type)
@@ -1195,20 +1228,21 @@ def run(cfg, rank, world_size, device, wall_start):
     # Per rank: a straggler shows up as one rank with a much higher data-wait share.
     dist.all_gather_object(data_shares, log.data_share())
     usage = utilisation(cfg, log, world_size, device, amp_dtype)  # every rank at once
+    # lean: begin the parity reference
     parity, ref_losses = None, None
     if cfg.check_parity and rank == 0:
         parity, ref_losses = check_parity(cfg, ddp_model, world_size, device)
     dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
+    # lean: end
     if rank == 0:
-        metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage, parity,
-                                    ref_losses),
+        metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage),
                    "precision": precision_name(amp_dtype), "peak_mem_bytes_per_rank": peaks,
                    "data_share_per_rank": data_shares}
+        metrics.update(parity_metrics(cfg, parity, ref_losses))  # lean: drop
         if cfg.metrics_out:
             write_json_atomic(cfg.metrics_out, metrics)
         print(summary_line(metrics), flush=True)
-        if parity is not None and parity > cfg.parity_tol:
-            sys.exit(f"parity check failed: max |param diff| {parity:.2e} > {cfg.parity_tol:.0e}")
+        exit_if_parity_fails(parity, cfg.parity_tol)  # lean: drop
 
 
 # --8<-- [start:main]

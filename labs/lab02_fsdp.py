@@ -12,6 +12,8 @@ Launch (the same file everywhere; the backend follows the hardware):
     torchrun --nproc-per-node 4 labs/lab02_fsdp.py --check-parity   # CPU + gloo, or GPUs + nccl
     torchrun --nproc-per-node 4 labs/lab02_fsdp.py --hsdp 2         # 2 replicas x 2 shards
     torchrun --nproc-per-node 2 labs/lab02_fsdp.py --strategy ddp   # the baseline it beats
+    python labs/lab02_fsdp.py --plan --model 8b --nproc 8 --gpu H100-80GB  # no GPU needed
+    torchrun --nproc-per-node 8 labs/lab02_fsdp.py --model 1b --data train.bin  # real tokens
     # two nodes (run on each; same --rdzv-id everywhere, node 0's address as the endpoint;
     # --checkpoint-dir must be on a filesystem both nodes share):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
@@ -33,7 +35,9 @@ Use it in your project:
   - Keep: the order in `build_fsdp_model()`: meta device, fully_shard on blocks then the root,
     to_empty, fill (runbooks/oom-distributed-causes.md); `build_optimizer()` after it;
     `gradient_sync()`; DCP `save_checkpoint()` / `load_checkpoint()` (tmp dir, then rename;
-    any world size); `--mixed-precision bf16`: bf16 matmuls, fp32 shards and grad reduction.
+    any world size); `--mixed-precision auto` (the default): on CUDA, params gathered and
+    used in bf16 (fp16 with a GradScaler where the GPU has no bf16), fp32 shards and gradient
+    reduction; fp32 on CPU.
   - Pitfalls: fully_shard replaces every parameter: an optimizer built before it trains
     nothing, silently. Sharding only the root gathers the whole model at once; one unit per
     Linear means many small collectives. dcp.save and `full_state_dict()` are collectives:
@@ -149,6 +153,7 @@ def add_common_args(parser):
     arg("--gpu", default="",
         help="--plan: the GPU to plan for, a GPU_SPECS key such as H100-80GB (default: this "
              "machine's device)")
+    # lean: begin parity reference and fault drills
     arg("--check-parity", action="store_true",
         help="retrain in one process on the same global batches and compare parameters")
     arg("--parity-tol", type=float, default=1e-5, help="max |param diff| allowed by --check-parity")
@@ -160,6 +165,7 @@ def add_common_args(parser):
     arg("--stall-at-step", type=int, default=0,
         help="fault drill: --fail-rank stops responding at this step, first attempt only; the "
              "others must fail within --timeout-s (0: never)")
+    # lean: end
 
 
 def validate_common(cfg, world_size, dp_size):
@@ -173,8 +179,7 @@ def validate_common(cfg, world_size, dp_size):
         if getattr(cfg, name) <= 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
     for name in ["batch_size", "clip", "num_workers", "checkpoint_every", "stop_at_step",
-                 "parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
-                 "stall_at_step", "warmup_steps", "nproc"]:
+                 "warmup_steps", "nproc"]:
         if getattr(cfg, name) < 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
@@ -203,14 +208,12 @@ def validate_common(cfg, world_size, dp_size):
         flag = "--data" if cfg.data else "--num-samples"
         fail_config(flag, f"{dataset_length(cfg)} sequences of --seq-len {cfg.seq_len}, fewer "
                     f"than one global batch of {cfg.batch_size}")
-    if cfg.fail_rank >= world_size:
-        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
     if cfg.stop_at_step > cfg.steps:
         fail_config("--stop-at-step", f"{cfg.stop_at_step} is beyond --steps {cfg.steps}")
-    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step or cfg.crash_in_checkpoint) \
-            and not cfg.checkpoint_dir:
-        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every, "
-                    "--stop-at-step and --crash-in-checkpoint")
+    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step) and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every and "
+                    "--stop-at-step")
+    validate_drill_flags(cfg, world_size)  # lean: drop
     if cfg.resume and not latest_checkpoint(cfg.checkpoint_dir):
         fail_config("--resume", f"no complete checkpoint in {cfg.checkpoint_dir}")
     if cfg.plan:
@@ -222,8 +225,21 @@ def validate_common(cfg, world_size, dp_size):
     if cfg.amp == "bf16" and device_type == "cuda" and not cuda_has_bf16():
         fail_config("--amp", f"bf16 needs an Ampere or newer GPU; {torch.cuda.get_device_name()} "
                     "has none: use --amp fp16 (or auto)")
-    if cfg.check_parity and compute_dtype(cfg, device_type) is not None:
+
+
+# lean: begin the checks of the parity and drill flags
+def validate_drill_flags(cfg, world_size):
+    for name in ["parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
+                 "stall_at_step"]:
+        if getattr(cfg, name) < 0:
+            fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
+    if cfg.fail_rank >= world_size:
+        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
+    if cfg.crash_in_checkpoint and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --crash-in-checkpoint")
+    if cfg.check_parity and not cfg.plan and compute_dtype(cfg, pick_device_type(cfg)) is not None:
         fail_config("--check-parity", "needs fp32 (--amp off): bf16/fp16 rounding is far above 1e-5")
+# lean: end
 
 
 def apply_model_preset(cfg):
@@ -741,12 +757,15 @@ def write_json_atomic(path, payload):
 
 
 def summary_line(metrics):
-    parity, mfu = metrics["parity_max_abs_diff"], metrics["mfu"]
-    return (f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']} | "
-            f"{metrics['steps']} steps | loss {metrics['final_loss']:.4f} | parity "
-            f"{'n/a' if parity is None else f'{parity:.1e}'} | "
-            f"{metrics['tokens_per_s']:.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu:.1%}'} | "
-            f"{metrics['wall_time_s']:.1f} s")
+    mfu = metrics["mfu"]
+    fields = [f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']}",
+              f"{metrics['steps']} steps", f"loss {metrics['final_loss']:.4f}"]
+    if "parity_max_abs_diff" in metrics:  # the full labs; their lean copies have no reference
+        parity = metrics["parity_max_abs_diff"]
+        fields.append(f"parity {'n/a' if parity is None else f'{parity:.1e}'}")
+    fields += [f"{metrics['tokens_per_s']:.0f} tok/s",
+               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}", f"{metrics['wall_time_s']:.1f} s"]
+    return " | ".join(fields)
 
 
 # Dense bf16 tensor-core peaks (no sparsity), as in torchtitan's get_peak_flops
@@ -827,20 +846,31 @@ def utilisation(cfg, log, world_size, device, dtype):
             "peak_source": source, "mfu": achieved / peak if peak else None}
 
 
-def common_metrics(cfg, log, world_size, device, wall_start, usage, parity, ref_losses):
+def common_metrics(cfg, log, world_size, device, wall_start, usage):
     """The metrics JSON fields every lab writes (rank 0); each lab adds its own."""
     losses = log.losses
     return {
         "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
         "world_size": world_size, "steps": losses[-1][0] if losses else 0,
         "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
-        "reference_losses": ref_losses, "parity_max_abs_diff": parity,
-        "parity_tol": cfg.parity_tol, **usage, "step_windows": log.windows,
+        **usage, "step_windows": log.windows,
         "first_step_s": log.windows[0]["seconds"] if log.windows else None,
         "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
         "wall_time_s": time.perf_counter() - wall_start,
         "torch_version": torch.__version__, "config": vars(cfg),
     }
+
+
+# lean: begin the parity report
+def parity_metrics(cfg, parity, ref_losses):
+    return {"reference_losses": ref_losses, "parity_max_abs_diff": parity,
+            "parity_tol": cfg.parity_tol}
+
+
+def exit_if_parity_fails(parity, tolerance, what="param diff"):
+    if parity is not None and parity > tolerance:
+        sys.exit(f"parity check failed: max |{what}| {parity:.2e} > {tolerance:.0e}")
+# lean: end
 # --8<-- [end:metrics]
 
 
@@ -965,6 +995,7 @@ def plan_or_refuse(cfg, layout, world_size):
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, rerun me"
 
 
+# lean: begin fault injection (the drills of tests/test_fault_tolerance*.py)
 def maybe_inject_failure(cfg, step, rank):
     """--fail-at-step K --fail-rank R: rank R dies abruptly (no cleanup) at step K. Only on the
     first attempt, so the run that torchrun restarts can get past it."""
@@ -996,6 +1027,7 @@ def maybe_stall(cfg, step, rank, preemption):
         deadline = time.monotonic() + 10 * cfg.timeout_s
         while time.monotonic() < deadline and not preemption.requested:
             time.sleep(0.1)
+# lean: end
 
 
 class PreemptionWatch:
@@ -1103,8 +1135,8 @@ def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
     tokens_per_step = cfg.batch_size * cfg.seq_len
     preemption = PreemptionWatch()
     for step in range(start_step + 1, last_step + 1):
-        maybe_inject_failure(cfg, step, rank)
-        maybe_stall(cfg, step, rank, preemption)
+        maybe_inject_failure(cfg, step, rank)  # lean: drop
+        maybe_stall(cfg, step, rank, preemption)  # lean: drop
         loss, data_s = step_fn(step)
         preempted = log.add(step, loss, data_s, preemption)
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
@@ -1233,6 +1265,7 @@ def build_optimizer(cfg, model):
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
 
+# lean: begin inspection and byte probes
 def inspect_fsdp(model, mesh, cfg):
     """What each rank holds after fully_shard: every parameter a DTensor on the mesh, Shard(0)
     on the shard axis (plus Replicate() on the replicate axis for HSDP), local rows as chunked
@@ -1279,6 +1312,7 @@ def unsharded_param_bytes(model):
     this is what reshard_after_forward decides: the root only (true) or every block (false)."""
     return sum(p.numel() * p.element_size() for p in model.parameters()
                if not isinstance(p, DTensor))
+# lean: end
 
 
 @contextlib.contextmanager
@@ -1310,8 +1344,8 @@ def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, probe=
         with gradient_sync(model, micro == cfg.grad_accum - 1):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits = model(inputs)
-            if probe is not None and micro == 0:
-                probe["unsharded_after_forward"] = unsharded_param_bytes(model)
+            if probe is not None and micro == 0:  # lean: drop
+                probe["unsharded_after_forward"] = unsharded_param_bytes(model)  # lean: drop
             loss = loss_fn(logits, targets) / cfg.grad_accum
             scaler.scale(loss).backward()
         total_loss += loss.detach()
@@ -1322,8 +1356,8 @@ def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, probe=
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
     scaler.step(optimizer)  # skips the step if fp16 gradients overflowed (on any rank)
     scaler.update()
-    if probe is not None:
-        probe.update(measure_state_bytes(model, optimizer))
+    if probe is not None:  # lean: drop
+        probe.update(measure_state_bytes(model, optimizer))  # lean: drop
     optimizer.zero_grad(set_to_none=True)
     return total_loss, data_s
 
@@ -1362,7 +1396,7 @@ def save_checkpoint(cfg, model, optimizer, step, rank):
     dcp.save(checkpoint_state(cfg, model, optimizer, step, rank), checkpoint_id=tmp)
     dist.barrier()  # every rank's files, and rank 0's .metadata, are on disk (fsynced by DCP)
     if rank == 0:
-        maybe_crash_mid_checkpoint(cfg, step)  # fault drill: all files written, not yet renamed
+        maybe_crash_mid_checkpoint(cfg, step)  # lean: drop
         shutil.rmtree(final, ignore_errors=True)  # a rerun that saves the same step again
         record_batch_size(cfg)
         os.replace(tmp, final)  # atomic rename of the whole directory
@@ -1414,6 +1448,7 @@ def export_consolidated(state, path):
     os.replace(tmp, path)
 
 
+# lean: begin the single-process parity reference
 def train_reference(cfg, world_size, device):
     """The single-process run the sharded one must match: same init, and each step
     accumulates every rank's micro-batches in one process (the mean gradient of the global
@@ -1446,21 +1481,23 @@ def check_parity(cfg, full_state, world_size, device):
     max_diff = max((full_state[name].to(device) - param).abs().max().item()
                    for name, param in reference.named_parameters())
     return max_diff, ref_losses
+# lean: end
 
 
 def build(cfg, world_size, device):
-    """Model, optimizer and the layout report for --strategy."""
+    """Model, optimizer and mesh (None for the replicated baselines) for --strategy."""
     if cfg.strategy != "fsdp":
         model = build_replicated_model(cfg, device)
-        return model, build_optimizer(cfg, model), None, None
+        return model, build_optimizer(cfg, model), None
     mesh = build_mesh(cfg, device, world_size)
     model = build_fsdp_model(cfg, mesh, device)
-    return model, build_optimizer(cfg, model), mesh, inspect_fsdp(model, mesh, cfg)
+    return model, build_optimizer(cfg, model), mesh
 
 
 def train(cfg, rank, world_size, device):
     torch.manual_seed(cfg.seed)
-    model, optimizer, mesh, layout = build(cfg, world_size, device)
+    model, optimizer, mesh = build(cfg, world_size, device)
+    layout = inspect_fsdp(model, mesh, cfg) if mesh else None  # lean: drop
     start_step = load_checkpoint(cfg, model, optimizer, rank) if cfg.checkpoint_dir else 0
     # --amp is autocast (as in lab01); --mixed-precision is FSDP's own policy, which is what
     # halves the all-gathers. With bf16 params autocast adds little: the matmuls already run
@@ -1471,7 +1508,8 @@ def train(cfg, rank, world_size, device):
                               else None, device)
     batches = micro_batches(cfg, rank, world_size, start_step, pin_memory=device.type == "cuda")
     last_step = cfg.stop_at_step or cfg.steps
-    log, probe = StepLog(cfg, device, start_step, last_step, loss_divisor=world_size), {}
+    log = StepLog(cfg, device, start_step, last_step, loss_divisor=world_size)
+    probe = {}  # lean: drop
     if rank == 0:
         num_params = sum(p.numel() for p in model.parameters())
         print(f"{LAB_NAME} | {dist.get_backend()} x{world_size} | {device} | {cfg.strategy} | "
@@ -1481,34 +1519,46 @@ def train(cfg, rank, world_size, device):
 
     def step_fn(step):
         set_learning_rate([optimizer], cfg, step)
-        return train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype,
-                          probe if step == start_step + 1 else None)
+        # lean: begin the byte probes of the first step
+        if step == start_step + 1:
+            return train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, probe)
+        # lean: end
+        return train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype)
 
     train_loop(cfg, rank, device, start_step, log, step_fn,
                lambda step: save_checkpoint(cfg, model, optimizer, step, rank))
-    report = {"layout": layout, "mesh": mesh, "probe": probe, "log": log,
-              "precision": {"autocast": precision_name(amp_dtype),
-                            "fsdp_params": precision_name(param_dtype)}}
+    report = {"mesh": mesh, "log": log, "precision": {"autocast": precision_name(amp_dtype),
+                                                      "fsdp_params": precision_name(param_dtype)}}
+    report.update(probe=probe, layout=layout)  # lean: drop
     return model, log, report
 
 
 def gather_report(model, report, world_size, device):
     """Per-rank measurements, gathered to every rank (rank 0 writes them)."""
-    mine = {**report["probe"], "peak": peak_memory_bytes(device),
-            "data_share": report["log"].data_share()}
+    mine = {"peak": peak_memory_bytes(device), "data_share": report["log"].data_share()}
+    mine.update(report["probe"])  # lean: drop
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)
     per_rank = {k: [r.get(k) for r in everyone] for k in mine}
     mesh = report["mesh"]
+    result = {
+        "peak_mem_bytes_per_rank": per_rank["peak"], "data_share_per_rank": per_rank["data_share"],
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh else None,
+    }
+    result.update(probe_report(model, report, per_rank))  # lean: drop
+    return result
+
+
+# lean: begin the byte probes' report
+def probe_report(model, report, per_rank):
     return {
         "state_bytes_per_rank": {k: per_rank.get(k) for k in ("params", "grads", "optimizer")},
         "unsharded_param_bytes_after_forward": per_rank.get("unsharded_after_forward"),
-        "peak_mem_bytes_per_rank": per_rank["peak"], "data_share_per_rank": per_rank["data_share"],
-        "num_params": sum(p.numel() for p in model.parameters()),
         "param_shapes": {n: list(p.shape) for n, p in model.named_parameters()},
-        "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh else None,
         "layout": report["layout"],
     }
+# lean: end
 
 
 def run(cfg, rank, world_size, device, wall_start):
@@ -1517,23 +1567,25 @@ def run(cfg, rank, world_size, device, wall_start):
     extra = gather_report(model, report, world_size, device)
     amp_dtype = compute_dtype(cfg, device.type)
     usage = utilisation(cfg, log, world_size, device, amp_dtype)  # every rank at once
-    needs_full = cfg.check_parity or cfg.export
+    needs_full = bool(cfg.export)
+    needs_full = needs_full or cfg.check_parity  # lean: drop
     full_state = full_state_dict(model) if needs_full else None  # a collective: all ranks
+    # lean: begin the parity reference
     parity, ref_losses = None, None
     if cfg.check_parity and rank == 0:
         parity, ref_losses = check_parity(cfg, full_state, world_size, device)
+    # lean: end
     if cfg.export and rank == 0:
         export_consolidated(full_state, cfg.export)
-    dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
+    dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0
     if rank == 0:
-        metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage, parity,
-                                    ref_losses),
+        metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage),
                    "strategy": cfg.strategy, "precision": report["precision"], **extra}
+        metrics.update(parity_metrics(cfg, parity, ref_losses))  # lean: drop
         if cfg.metrics_out:
             write_json_atomic(cfg.metrics_out, metrics)
         print(summary_line(metrics), flush=True)
-        if parity is not None and parity > cfg.parity_tol:
-            sys.exit(f"parity check failed: max |param diff| {parity:.2e} > {cfg.parity_tol:.0e}")
+        exit_if_parity_fails(parity, cfg.parity_tol)  # lean: drop
 
 
 # --8<-- [start:main]

@@ -75,7 +75,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.debug import CommDebugMode  # lean: drop
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
@@ -156,6 +156,7 @@ def add_common_args(parser):
     arg("--gpu", default="",
         help="--plan: the GPU to plan for, a GPU_SPECS key such as H100-80GB (default: this "
              "machine's device)")
+    # lean: begin parity reference and fault drills
     arg("--check-parity", action="store_true",
         help="retrain in one process on the same global batches and compare parameters")
     arg("--parity-tol", type=float, default=1e-5, help="max |param diff| allowed by --check-parity")
@@ -167,6 +168,7 @@ def add_common_args(parser):
     arg("--stall-at-step", type=int, default=0,
         help="fault drill: --fail-rank stops responding at this step, first attempt only; the "
              "others must fail within --timeout-s (0: never)")
+    # lean: end
 
 
 def validate_common(cfg, world_size, dp_size):
@@ -180,8 +182,7 @@ def validate_common(cfg, world_size, dp_size):
         if getattr(cfg, name) <= 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
     for name in ["batch_size", "clip", "num_workers", "checkpoint_every", "stop_at_step",
-                 "parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
-                 "stall_at_step", "warmup_steps", "nproc"]:
+                 "warmup_steps", "nproc"]:
         if getattr(cfg, name) < 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
@@ -210,14 +211,12 @@ def validate_common(cfg, world_size, dp_size):
         flag = "--data" if cfg.data else "--num-samples"
         fail_config(flag, f"{dataset_length(cfg)} sequences of --seq-len {cfg.seq_len}, fewer "
                     f"than one global batch of {cfg.batch_size}")
-    if cfg.fail_rank >= world_size:
-        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
     if cfg.stop_at_step > cfg.steps:
         fail_config("--stop-at-step", f"{cfg.stop_at_step} is beyond --steps {cfg.steps}")
-    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step or cfg.crash_in_checkpoint) \
-            and not cfg.checkpoint_dir:
-        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every, "
-                    "--stop-at-step and --crash-in-checkpoint")
+    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step) and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every and "
+                    "--stop-at-step")
+    validate_drill_flags(cfg, world_size)  # lean: drop
     if cfg.resume and not latest_checkpoint(cfg.checkpoint_dir):
         fail_config("--resume", f"no complete checkpoint in {cfg.checkpoint_dir}")
     if cfg.plan:
@@ -229,8 +228,21 @@ def validate_common(cfg, world_size, dp_size):
     if cfg.amp == "bf16" and device_type == "cuda" and not cuda_has_bf16():
         fail_config("--amp", f"bf16 needs an Ampere or newer GPU; {torch.cuda.get_device_name()} "
                     "has none: use --amp fp16 (or auto)")
-    if cfg.check_parity and compute_dtype(cfg, device_type) is not None:
+
+
+# lean: begin the checks of the parity and drill flags
+def validate_drill_flags(cfg, world_size):
+    for name in ["parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
+                 "stall_at_step"]:
+        if getattr(cfg, name) < 0:
+            fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
+    if cfg.fail_rank >= world_size:
+        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
+    if cfg.crash_in_checkpoint and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --crash-in-checkpoint")
+    if cfg.check_parity and not cfg.plan and compute_dtype(cfg, pick_device_type(cfg)) is not None:
         fail_config("--check-parity", "needs fp32 (--amp off): bf16/fp16 rounding is far above 1e-5")
+# lean: end
 
 
 def apply_model_preset(cfg):
@@ -274,11 +286,13 @@ def parse_config(argv=None):
              "all-gather + reduce-scatter pairs)")
     arg("--loss-parallel", action="store_true",
         help="cross-entropy on vocab-sharded logits instead of all-gathering the logits")
+    # lean: begin teaching flags
     arg("--parity-dtype", choices=["float32", "float64"], default="float32",
         help="dtype of this run and the reference under --check-parity: float64 removes "
              "rounding, to tell a bug (a gap in both) from rounding (a gap in float32 only)")
     arg("--count-comms", action="store_true",
         help="measure step 1: collectives by type (CommDebugMode) and saved activation bytes")
+    # lean: end
     cfg = parser.parse_args(argv)
     if cfg.model == "debug":  # per TP group: the 2 ranks of a tp=2 group share it
         cfg.micro_batch_size = cfg.micro_batch_size or 16
@@ -735,12 +749,15 @@ def write_json_atomic(path, payload):
 
 
 def summary_line(metrics):
-    parity, mfu = metrics["parity_max_abs_diff"], metrics["mfu"]
-    return (f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']} | "
-            f"{metrics['steps']} steps | loss {metrics['final_loss']:.4f} | parity "
-            f"{'n/a' if parity is None else f'{parity:.1e}'} | "
-            f"{metrics['tokens_per_s']:.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu:.1%}'} | "
-            f"{metrics['wall_time_s']:.1f} s")
+    mfu = metrics["mfu"]
+    fields = [f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']}",
+              f"{metrics['steps']} steps", f"loss {metrics['final_loss']:.4f}"]
+    if "parity_max_abs_diff" in metrics:  # the full labs; their lean copies have no reference
+        parity = metrics["parity_max_abs_diff"]
+        fields.append(f"parity {'n/a' if parity is None else f'{parity:.1e}'}")
+    fields += [f"{metrics['tokens_per_s']:.0f} tok/s",
+               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}", f"{metrics['wall_time_s']:.1f} s"]
+    return " | ".join(fields)
 
 
 # Dense bf16 tensor-core peaks (no sparsity), as in torchtitan's get_peak_flops
@@ -821,20 +838,31 @@ def utilisation(cfg, log, world_size, device, dtype):
             "peak_source": source, "mfu": achieved / peak if peak else None}
 
 
-def common_metrics(cfg, log, world_size, device, wall_start, usage, parity, ref_losses):
+def common_metrics(cfg, log, world_size, device, wall_start, usage):
     """The metrics JSON fields every lab writes (rank 0); each lab adds its own."""
     losses = log.losses
     return {
         "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
         "world_size": world_size, "steps": losses[-1][0] if losses else 0,
         "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
-        "reference_losses": ref_losses, "parity_max_abs_diff": parity,
-        "parity_tol": cfg.parity_tol, **usage, "step_windows": log.windows,
+        **usage, "step_windows": log.windows,
         "first_step_s": log.windows[0]["seconds"] if log.windows else None,
         "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
         "wall_time_s": time.perf_counter() - wall_start,
         "torch_version": torch.__version__, "config": vars(cfg),
     }
+
+
+# lean: begin the parity report
+def parity_metrics(cfg, parity, ref_losses):
+    return {"reference_losses": ref_losses, "parity_max_abs_diff": parity,
+            "parity_tol": cfg.parity_tol}
+
+
+def exit_if_parity_fails(parity, tolerance, what="param diff"):
+    if parity is not None and parity > tolerance:
+        sys.exit(f"parity check failed: max |{what}| {parity:.2e} > {tolerance:.0e}")
+# lean: end
 # --8<-- [end:metrics]
 
 
@@ -959,6 +987,7 @@ def plan_or_refuse(cfg, layout, world_size):
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, rerun me"
 
 
+# lean: begin fault injection (the drills of tests/test_fault_tolerance*.py)
 def maybe_inject_failure(cfg, step, rank):
     """--fail-at-step K --fail-rank R: rank R dies abruptly (no cleanup) at step K. Only on the
     first attempt, so the run that torchrun restarts can get past it."""
@@ -990,6 +1019,7 @@ def maybe_stall(cfg, step, rank, preemption):
         deadline = time.monotonic() + 10 * cfg.timeout_s
         while time.monotonic() < deadline and not preemption.requested:
             time.sleep(0.1)
+# lean: end
 
 
 class PreemptionWatch:
@@ -1097,8 +1127,8 @@ def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
     tokens_per_step = cfg.batch_size * cfg.seq_len
     preemption = PreemptionWatch()
     for step in range(start_step + 1, last_step + 1):
-        maybe_inject_failure(cfg, step, rank)
-        maybe_stall(cfg, step, rank, preemption)
+        maybe_inject_failure(cfg, step, rank)  # lean: drop
+        maybe_stall(cfg, step, rank, preemption)  # lean: drop
         loss, data_s = step_fn(step)
         preempted = log.add(step, loss, data_s, preemption)
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
@@ -1227,13 +1257,16 @@ def init_sharded_weights(model, seed):
         param.to_local().copy_(shard.to_local())
 
 
-def param_dtype(cfg):
+# lean: begin the parity run's dtype
+def parity_param_dtype(cfg):
     return torch.float64 if cfg.check_parity and cfg.parity_dtype == "float64" else torch.float32
+# lean: end
 
 
 def build_parallel_model(cfg, mesh, device):
     with torch.device("meta"):  # no full copy of the model on any rank
-        model = build_model(cfg).to(param_dtype(cfg))
+        model = build_model(cfg)
+        model.to(parity_param_dtype(cfg))  # lean: drop
     apply_tp(model, mesh["tp"], cfg)
     apply_fsdp(model, mesh["dp"], cfg, device)
     model.to_empty(device=device)
@@ -1241,6 +1274,7 @@ def build_parallel_model(cfg, mesh, device):
     return model
 
 
+# lean: begin inspection, communication and byte probes
 def inspect_tp_fsdp(model, cfg, tp_size):
     """What a rank holds. Sharded: 2D placements, about 1/world of each TP'd weight. Unsharded
     (FSDP all-gathered over dp), the tp-local slice that the matmuls use."""
@@ -1339,6 +1373,7 @@ class SavedActivationBytes(torch.autograd.graph.saved_tensors_hooks):
             return tensor
 
         super().__init__(pack, lambda tensor: tensor)
+# lean: end
 
 
 @torch.no_grad()
@@ -1388,7 +1423,7 @@ def save_checkpoint(cfg, model, optimizer, step, rank):
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     if rank == 0:  # dcp.save returns on every rank only after rank 0 wrote .metadata
-        maybe_crash_mid_checkpoint(cfg, step)  # fault drill: the shards exist, the name does not
+        maybe_crash_mid_checkpoint(cfg, step)  # lean: drop
         shutil.rmtree(final, ignore_errors=True)
         record_batch_size(cfg)
         os.replace(tmp, final)  # atomic: readers see no directory or a complete one
@@ -1453,10 +1488,11 @@ def train_step(model, optimizer, scaler, batches, cfg, device, parallel_loss, st
     return total_loss, data_s
 
 
+# lean: begin the single-process parity reference and the step-1 counters
 def train_reference(cfg, dp_size, device):
     """The single-process run that the 2D run must match: same init, and each step accumulates
     the gradients of every dp rank's micro-batches in one process (TP ranks share a batch)."""
-    model = build_model(cfg).to(device, param_dtype(cfg))
+    model = build_model(cfg).to(device, parity_param_dtype(cfg))
     model.init_weights(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     streams = [micro_batches(cfg, r, dp_size, 0) for r in range(dp_size)]
@@ -1506,13 +1542,15 @@ def count_first_step(cfg, model, optimizer, scaler, batches, device, rank, world
         "comm_wire_bytes_per_step": dict(counter.wire_bytes),
         "comm_wire_bytes_per_step_by_group": dict(counter.wire_bytes_by_group),
         "comm_counts_block0": counter.block_counts("layers.0")}
+# lean: end
 
 
 def train(cfg, rank, world_size, device):
     mesh = build_mesh(cfg, world_size, device)
     dp_size, tp_size = mesh["dp"].size(), mesh["tp"].size()
     model = build_parallel_model(cfg, mesh, device)
-    extra = {"mesh": [dp_size, tp_size], **inspect_tp_fsdp(model, cfg, tp_size)}
+    extra = {"mesh": [dp_size, tp_size]}
+    extra.update(inspect_tp_fsdp(model, cfg, tp_size))  # lean: drop
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     start_step = load_checkpoint(cfg, model, optimizer, rank)
     low = compute_dtype(cfg, device.type)
@@ -1526,24 +1564,28 @@ def train(cfg, rank, world_size, device):
     if rank == 0:
         print(f"{LAB_NAME} | {dist.get_backend()} x{world_size} | {device} | mesh (dp, tp) = "
               f"({dp_size}, {tp_size}) | sp {cfg.sequence_parallel} | loss parallel "
-              f"{cfg.loss_parallel} | params {str(param_dtype(cfg))[6:]}, compute "
+              f"{cfg.loss_parallel} | params {str(next(model.parameters()).dtype)[6:]}, compute "
               f"{precision_name(low)} | steps {start_step + 1}..{last_step}", flush=True)
 
     def step_fn(step):
+        # lean: begin the step-1 counters
         if step == start_step + 1 and cfg.count_comms:
             loss, data_s, counts = count_first_step(cfg, model, optimizer, scaler, batches,
                                                     device, rank, world_size, step, mesh)
             extra.update(counts)
             return loss, data_s
+        # lean: end
         return train_step(model, optimizer, scaler, batches, cfg, device, cfg.loss_parallel, step)
 
     train_loop(cfg, rank, device, start_step, log, step_fn,
                lambda step: save_checkpoint(cfg, model, optimizer, step, rank))
+    # lean: begin byte probe
     state = [None] * world_size
     dist.all_gather_object(state, {"params": local_bytes(model.parameters()),
                                    "optimizer": local_bytes(t for s in optimizer.state.values()
                                                             for t in s.values())})
     extra["state_bytes_per_rank"] = state
+    # lean: end
     shares = [None] * world_size  # a straggler shows up as one rank with a high data-wait share
     dist.all_gather_object(shares, log.data_share())
     extra["data_share_per_rank"] = shares
@@ -1557,20 +1599,20 @@ def run(cfg, rank, world_size, device, wall_start):
     dist.all_gather_object(peaks, peak_memory_bytes(device))
     low = compute_dtype(cfg, device.type)
     usage = utilisation(cfg, log, world_size, device, low)  # every rank at once
+    # lean: begin the parity reference
     parity, ref_losses = None, None
     if cfg.check_parity:
         parity, ref_losses = check_parity(cfg, model, rank, dp_size, device)
     dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
+    # lean: end
     if rank == 0:
-        metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage, parity,
-                                    ref_losses),
+        metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage),
                    "precision": precision_name(low), "peak_mem_bytes_per_rank": peaks, **extra}
+        metrics.update(parity_metrics(cfg, parity, ref_losses))  # lean: drop
         if cfg.metrics_out:
             write_json_atomic(cfg.metrics_out, metrics)
         print(summary_line(metrics), flush=True)
-        if parity is not None and parity > cfg.parity_tol:
-            sys.exit(f"parity check failed: max |param diff| {parity:.2e} > "
-                     f"{cfg.parity_tol:.0e}")
+        exit_if_parity_fails(parity, cfg.parity_tol)  # lean: drop
 
 
 # --8<-- [start:main]

@@ -160,6 +160,7 @@ def add_common_args(parser):
     arg("--gpu", default="",
         help="--plan: the GPU to plan for, a GPU_SPECS key such as H100-80GB (default: this "
              "machine's device)")
+    # lean: begin parity reference and fault drills
     arg("--check-parity", action="store_true",
         help="retrain in one process on the same global batches and compare parameters")
     arg("--parity-tol", type=float, default=1e-5, help="max |param diff| allowed by --check-parity")
@@ -171,6 +172,7 @@ def add_common_args(parser):
     arg("--stall-at-step", type=int, default=0,
         help="fault drill: --fail-rank stops responding at this step, first attempt only; the "
              "others must fail within --timeout-s (0: never)")
+    # lean: end
 
 
 def validate_common(cfg, world_size, dp_size):
@@ -184,8 +186,7 @@ def validate_common(cfg, world_size, dp_size):
         if getattr(cfg, name) <= 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(cfg, name)}")
     for name in ["batch_size", "clip", "num_workers", "checkpoint_every", "stop_at_step",
-                 "parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
-                 "stall_at_step", "warmup_steps", "nproc"]:
+                 "warmup_steps", "nproc"]:
         if getattr(cfg, name) < 0:
             fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
@@ -214,14 +215,12 @@ def validate_common(cfg, world_size, dp_size):
         flag = "--data" if cfg.data else "--num-samples"
         fail_config(flag, f"{dataset_length(cfg)} sequences of --seq-len {cfg.seq_len}, fewer "
                     f"than one global batch of {cfg.batch_size}")
-    if cfg.fail_rank >= world_size:
-        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
     if cfg.stop_at_step > cfg.steps:
         fail_config("--stop-at-step", f"{cfg.stop_at_step} is beyond --steps {cfg.steps}")
-    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step or cfg.crash_in_checkpoint) \
-            and not cfg.checkpoint_dir:
-        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every, "
-                    "--stop-at-step and --crash-in-checkpoint")
+    if (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step) and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --resume, --checkpoint-every and "
+                    "--stop-at-step")
+    validate_drill_flags(cfg, world_size)  # lean: drop
     if cfg.resume and not latest_checkpoint(cfg.checkpoint_dir):
         fail_config("--resume", f"no complete checkpoint in {cfg.checkpoint_dir}")
     if cfg.plan:
@@ -233,8 +232,21 @@ def validate_common(cfg, world_size, dp_size):
     if cfg.amp == "bf16" and device_type == "cuda" and not cuda_has_bf16():
         fail_config("--amp", f"bf16 needs an Ampere or newer GPU; {torch.cuda.get_device_name()} "
                     "has none: use --amp fp16 (or auto)")
-    if cfg.check_parity and compute_dtype(cfg, device_type) is not None:
+
+
+# lean: begin the checks of the parity and drill flags
+def validate_drill_flags(cfg, world_size):
+    for name in ["parity_tol", "fail_at_step", "fail_rank", "crash_in_checkpoint",
+                 "stall_at_step"]:
+        if getattr(cfg, name) < 0:
+            fail_config(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(cfg, name)}")
+    if cfg.fail_rank >= world_size:
+        fail_config("--fail-rank", f"{cfg.fail_rank} is not a rank of a world of {world_size}")
+    if cfg.crash_in_checkpoint and not cfg.checkpoint_dir:
+        fail_config("--checkpoint-dir", "required by --crash-in-checkpoint")
+    if cfg.check_parity and not cfg.plan and compute_dtype(cfg, pick_device_type(cfg)) is not None:
         fail_config("--check-parity", "needs fp32 (--amp off): bf16/fp16 rounding is far above 1e-5")
+# lean: end
 
 
 def apply_model_preset(cfg):
@@ -820,12 +832,15 @@ def write_json_atomic(path, payload):
 
 
 def summary_line(metrics):
-    parity, mfu = metrics["parity_max_abs_diff"], metrics["mfu"]
-    return (f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']} | "
-            f"{metrics['steps']} steps | loss {metrics['final_loss']:.4f} | parity "
-            f"{'n/a' if parity is None else f'{parity:.1e}'} | "
-            f"{metrics['tokens_per_s']:.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu:.1%}'} | "
-            f"{metrics['wall_time_s']:.1f} s")
+    mfu = metrics["mfu"]
+    fields = [f"done | {metrics['lab']} | {metrics['backend']} x{metrics['world_size']}",
+              f"{metrics['steps']} steps", f"loss {metrics['final_loss']:.4f}"]
+    if "parity_max_abs_diff" in metrics:  # the full labs; their lean copies have no reference
+        parity = metrics["parity_max_abs_diff"]
+        fields.append(f"parity {'n/a' if parity is None else f'{parity:.1e}'}")
+    fields += [f"{metrics['tokens_per_s']:.0f} tok/s",
+               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}", f"{metrics['wall_time_s']:.1f} s"]
+    return " | ".join(fields)
 
 
 # Dense bf16 tensor-core peaks (no sparsity), as in torchtitan's get_peak_flops
@@ -906,20 +921,31 @@ def utilisation(cfg, log, world_size, device, dtype):
             "peak_source": source, "mfu": achieved / peak if peak else None}
 
 
-def common_metrics(cfg, log, world_size, device, wall_start, usage, parity, ref_losses):
+def common_metrics(cfg, log, world_size, device, wall_start, usage):
     """The metrics JSON fields every lab writes (rank 0); each lab adds its own."""
     losses = log.losses
     return {
         "lab": LAB_NAME, "backend": dist.get_backend(), "device": device.type,
         "world_size": world_size, "steps": losses[-1][0] if losses else 0,
         "final_loss": losses[-1][1] if losses else float("nan"), "losses": losses,
-        "reference_losses": ref_losses, "parity_max_abs_diff": parity,
-        "parity_tol": cfg.parity_tol, **usage, "step_windows": log.windows,
+        **usage, "step_windows": log.windows,
         "first_step_s": log.windows[0]["seconds"] if log.windows else None,
         "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
         "wall_time_s": time.perf_counter() - wall_start,
         "torch_version": torch.__version__, "config": vars(cfg),
     }
+
+
+# lean: begin the parity report
+def parity_metrics(cfg, parity, ref_losses):
+    return {"reference_losses": ref_losses, "parity_max_abs_diff": parity,
+            "parity_tol": cfg.parity_tol}
+
+
+def exit_if_parity_fails(parity, tolerance, what="param diff"):
+    if parity is not None and parity > tolerance:
+        sys.exit(f"parity check failed: max |{what}| {parity:.2e} > {tolerance:.0e}")
+# lean: end
 # --8<-- [end:metrics]
 
 
@@ -1044,6 +1070,7 @@ def plan_or_refuse(cfg, layout, world_size):
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, rerun me"
 
 
+# lean: begin fault injection (the drills of tests/test_fault_tolerance*.py)
 def maybe_inject_failure(cfg, step, rank):
     """--fail-at-step K --fail-rank R: rank R dies abruptly (no cleanup) at step K. Only on the
     first attempt, so the run that torchrun restarts can get past it."""
@@ -1075,6 +1102,7 @@ def maybe_stall(cfg, step, rank, preemption):
         deadline = time.monotonic() + 10 * cfg.timeout_s
         while time.monotonic() < deadline and not preemption.requested:
             time.sleep(0.1)
+# lean: end
 
 
 class PreemptionWatch:
@@ -1182,8 +1210,8 @@ def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
     tokens_per_step = cfg.batch_size * cfg.seq_len
     preemption = PreemptionWatch()
     for step in range(start_step + 1, last_step + 1):
-        maybe_inject_failure(cfg, step, rank)
-        maybe_stall(cfg, step, rank, preemption)
+        maybe_inject_failure(cfg, step, rank)  # lean: drop
+        maybe_stall(cfg, step, rank, preemption)  # lean: drop
         loss, data_s = step_fn(step)
         preempted = log.add(step, loss, data_s, preemption)
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
@@ -1563,7 +1591,7 @@ def save_checkpoint(cfg, modules, optimizers, step, rank):
     # does only once every rank has reported its files written.
     dcp.save(pipeline_state(modules, optimizers)[1], checkpoint_id=tmp)
     if rank == 0:
-        maybe_crash_mid_checkpoint(cfg, step)  # fault drill: dies with only step.tmp on disk
+        maybe_crash_mid_checkpoint(cfg, step)  # lean: drop
         shutil.rmtree(final, ignore_errors=True)
         record_batch_size(cfg)
         os.replace(tmp, final)  # atomic: readers see no checkpoint or a complete one
