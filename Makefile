@@ -20,7 +20,7 @@ endif
 
 PIP_CONSTRAINTS := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: course test deps test-tools site clean
+.PHONY: course test deps test-tools site clean gpu-check
 
 course: deps
 	$(PY) tools/course.py
@@ -51,6 +51,14 @@ test-tools:
 	else \
 		echo ">> missing:$$missing; the tests that need them will fail and say so"; \
 	fi
+
+# Everything that needs CUDA, on the GPUs this machine has, in about 10 minutes on one GPU:
+# every lab on NCCL (its GPU defaults, then fp32 parity), the tests marked gpu, and lab02 at
+# the largest preset that fits. Appends to verified/gpu-check.jsonl (commit it). No `deps`:
+# constraints.txt pins the CPU torch, and a GPU box keeps its own CUDA build. Without a GPU
+# it prints one line and exits 1.
+gpu-check:
+	$(PY) tools/gpu_check.py
 
 site: deps
 	$(PY) -m mkdocs build --strict

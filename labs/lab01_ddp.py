@@ -773,9 +773,9 @@ def parity_metrics(cfg, parity, ref_losses):
             "parity_tol": cfg.parity_tol}
 
 
-def exit_if_parity_fails(parity, tolerance, what="param diff"):
+def exit_if_parity_fails(parity, tolerance, detail=""):
     if parity is not None and parity > tolerance:
-        sys.exit(f"parity check failed: max |{what}| {parity:.2e} > {tolerance:.0e}")
+        sys.exit(f"parity check failed: max |param diff| {parity:.2e} > {tolerance:.0e}{detail}")
 # lean: end
 # --8<-- [end:metrics]
 

@@ -338,6 +338,9 @@ def parse_config(argv=None):
              "interleaved and V schedules)")
     arg("--dp", type=int, default=1,
         help="data-parallel degree; world size = dp x pp, each stage sharded with FSDP over dp")
+    arg("--timeline", choices=["auto", "on", "off"], default="auto",  # lean: drop
+        help="record each stage action's start and end, for the measured bubble; auto: on "  # lean: drop
+             "cpu, off on cuda (it synchronises the GPU around every action)")  # lean: drop
     cfg = parser.parse_args(argv)
     if cfg.model == "debug":
         # Each dp replica's batch is split into --microbatches: 16 sequences, not 8. And the
@@ -942,9 +945,9 @@ def parity_metrics(cfg, parity, ref_losses):
             "parity_tol": cfg.parity_tol}
 
 
-def exit_if_parity_fails(parity, tolerance, what="param diff"):
+def exit_if_parity_fails(parity, tolerance, detail=""):
     if parity is not None and parity > tolerance:
-        sys.exit(f"parity check failed: max |{what}| {parity:.2e} > {tolerance:.0e}")
+        sys.exit(f"parity check failed: max |param diff| {parity:.2e} > {tolerance:.0e}{detail}")
 # lean: end
 # --8<-- [end:metrics]
 
@@ -1271,6 +1274,7 @@ def apply_fsdp(module, dp_mesh, low_dtype):
     return module
 
 
+# lean: begin inspection and the timeline probe (per-action times, saved activation bytes)
 def inspect_pipeline(stage_modules, stage_ids, num_stages, cfg, device):
     """What every rank should hold: only its stages' layers, the embedding only on stage 0,
     norm + output only on the last stage, and together exactly the whole model."""
@@ -1287,7 +1291,6 @@ def inspect_pipeline(stage_modules, stage_ids, num_stages, cfg, device):
     with torch.device("meta"):
         whole = sum(p.numel() for p in build_model(cfg).parameters())
     assert total.item() == whole, f"stages hold {total.item()} parameters, model has {whole}"
-    return whole
 
 
 class SavedActivations:
@@ -1340,14 +1343,18 @@ class _Saved:
 class Timeline:
     """Start and end of every compute action on this rank, in seconds since the step began.
     Every schedule runs its actions through three PipelineStage methods, so wrapping them on
-    the stage instances times the compute alone: the waits for send/recv fall outside."""
+    the stage instances times the compute alone: the waits for send/recv fall outside.
+    Disabled (--timeline off; the default on CUDA, where timing an action means synchronising
+    the GPU around it), it records nothing and changes nothing."""
 
-    def __init__(self, device, amp_dtype):
-        self.device, self.amp_dtype = device, amp_dtype
+    def __init__(self, device, enabled):
+        self.device, self.enabled = device, enabled
         self.steps, self.events, self.t0 = [], [], 0.0
         self.memory = SavedActivations()
 
     def start_step(self):
+        if not self.enabled:
+            return
         dist.barrier()  # one tiny all-reduce: every rank's clock origin is the same moment
         self.events, self.t0 = [], time.perf_counter()
         self.steps.append(self.events)
@@ -1357,10 +1364,7 @@ class Timeline:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # time the kernels, not their launch
             start, cpu_start = time.perf_counter(), time.thread_time()
-            # autocast wraps the forward only; backward reuses the dtypes forward chose.
-            amp = torch.autocast(self.device.type, dtype=self.amp_dtype,
-                                 enabled=forward and self.amp_dtype is not None)
-            with amp, (self.memory.hooks() if forward else contextlib.nullcontext()):
+            with self.memory.hooks() if forward else contextlib.nullcontext():
                 out = fn(*args, **kwargs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -1371,6 +1375,9 @@ class Timeline:
         return timed
 
     def instrument(self, stage):
+        if not self.enabled:
+            return
+
         def backward_kind(args, kwargs):  # backward_one_chunk(mb, loss, full_backward, ...)
             full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
             return "B" if full else "I"
@@ -1382,13 +1389,38 @@ class Timeline:
                                                       stage.backward_weight_one_chunk)
 
     def counted(self, loss_fn):
+        if not self.enabled:
+            return loss_fn
+
         def counted_loss(logits, targets):  # the loss's saved tensors count too
             with self.memory.hooks():
                 return loss_fn(logits, targets)
         return counted_loss
 
 
-def build_pipeline(cfg, device, timeline, scaler):
+# lean: end
+
+
+def apply_stage_autocast(stage, device, dtype):
+    """Autocast around each microbatch's forward (the schedule calls forward_one_chunk);
+    backward reuses the dtypes the forward chose."""
+    if dtype is None:
+        return
+    forward = stage.forward_one_chunk
+
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast(device.type, dtype=dtype):
+            return forward(*args, **kwargs)
+    stage.forward_one_chunk = autocast_forward
+
+
+def scaled_loss(scaler):
+    """The schedule calls backward on what its loss_fn returns, so fp16 loss scaling goes in
+    here (a pass-through when the scaler is disabled)."""
+    return lambda output, target: scaler.scale(loss_fn(output, target))
+
+
+def build_pipeline(cfg, device, amp_dtype, loss):
     """Mesh, stages, schedule and one optimizer per stage module for this rank."""
     world_size = dist.get_world_size()
     pp_size = world_size // cfg.dp
@@ -1403,16 +1435,13 @@ def build_pipeline(cfg, device, timeline, scaler):
     stage_ids = stage_ids_for_rank(pp_rank, pp_size, cfg)
     modules = [build_stage_module(cfg, s, num_stages, device) for s in stage_ids]
     if cfg.dp > 1:
-        modules = [apply_fsdp(m, mesh["dp"], timeline.amp_dtype) for m in modules]
-    num_params = inspect_pipeline(modules, stage_ids, num_stages, cfg, device)
+        modules = [apply_fsdp(m, mesh["dp"], amp_dtype) for m in modules]
+    inspect_pipeline(modules, stage_ids, num_stages, cfg, device)  # lean: drop
     # Sends and receives go over the pp sub-group only: the neighbours in this pipeline.
     stages = [PipelineStage(m, s, num_stages, device, group=mesh["pp"].get_group())
               for m, s in zip(modules, stage_ids)]
     for stage in stages:
-        timeline.instrument(stage)
-    # The schedule calls backward on what its loss_fn returns, so fp16 loss scaling goes in
-    # here (a pass-through when the scaler is disabled).
-    loss = timeline.counted(lambda output, target: scaler.scale(loss_fn(output, target)))
+        apply_stage_autocast(stage, device, amp_dtype)
     schedule_cls = schedule_class(cfg.schedule)
     # loss_fn is the mean over one microbatch; scale_grads (default) divides the summed
     # gradients by the number of microbatches, so they are the gradient of the batch mean.
@@ -1421,7 +1450,7 @@ def build_pipeline(cfg, device, timeline, scaler):
     else:
         schedule = schedule_cls(stages, n_microbatches=cfg.microbatches, loss_fn=loss)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=cfg.lr) for m in modules]
-    return mesh, stages, schedule, optimizers, num_params
+    return mesh, stages, schedule, optimizers
 
 
 def clip_grad_norm(modules, max_norm, device):
@@ -1449,8 +1478,8 @@ def train_step(cfg, schedule, stages, optimizers, scaler, batch, device, grads_o
     kwargs = {"target": targets, "losses": losses} if holds_last else {}
     schedule.step(*args, **kwargs)
     modules = [s.submod for s in stages]
-    if grads_out is not None:  # --check-parity: the first step's gradients, before clipping
-        grads_out.update(named_full_tensors(modules, grads=True))
+    if grads_out is not None:  # lean: drop
+        grads_out.update(named_full_tensors(modules, grads=True))  # lean: drop
     if not holds_last:
         scaler.scale(torch.zeros((), device=device))  # scale() creates the scale on first use
     for optimizer in optimizers:
@@ -1477,6 +1506,7 @@ def pipeline_grad_scaler(dtype, device):
                              process_group=dist.group.WORLD)
 
 
+# lean: begin the single-process parity reference
 def named_full_tensors(modules, grads=False):
     """{name: full tensor} of this rank's parameters (or their gradients). With FSDP,
     full_tensor() all-gathers the shards over dp: every dp rank calls it in the same order."""
@@ -1488,12 +1518,14 @@ def named_full_tensors(modules, grads=False):
                 value = value.full_tensor() if isinstance(value, DTensor) else value
                 out[name] = value.detach().float().cpu().clone()  # clipping is in place
     return out
+# lean: end
 
 
 def loss_fn(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+# lean: begin the single-process parity reference
 def train_reference(cfg, num_steps, order):
     """The single-process run the pipeline must match: the whole model, same init, and each
     step accumulates the gradient of every microbatch of every dp replica in one process, then
@@ -1535,7 +1567,7 @@ def check_parity(cfg, stages, first_grads, losses, timeline):
     modules = [s.submod for s in stages]
     # The order this rank's first stage accumulated microbatch gradients in (in B, or in W
     # when the schedule splits backward), read off the timeline.
-    order = [e[2] for e in timeline.steps[-1] if e[0] in ("B", "W")
+    order = [e[2] for e in (timeline.steps[-1] if timeline.steps else []) if e[0] in ("B", "W")
              and e[1] == stages[0].stage_index]
     ref_params, ref_grads, ref_losses = train_reference(
         cfg, losses[-1][0], order or range(cfg.microbatches))
@@ -1547,6 +1579,7 @@ def check_parity(cfg, stages, first_grads, losses, timeline):
     worst = torch.tensor([param_diff, grad_diff, loss_diff], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.tolist(), ref_losses
+# lean: end
 
 
 # Checkpoints: one DCP checkpoint for the whole pipeline. Every rank writes its own stages'
@@ -1616,6 +1649,7 @@ def load_checkpoint(cfg, modules, optimizers, rank):
     return step
 
 
+# lean: begin the bubble, measured from the timeline and predicted
 def bubble_formula(cfg, pp_size):
     """Idle share of a step for a perfectly balanced pipeline with free communication."""
     m, v = cfg.microbatches, cfg.stages_per_rank
@@ -1719,13 +1753,20 @@ def microbatches_in_flight(events):
         held += delta
         peak = max(peak, held)
     return peak
+# lean: end
 
 
 def train(cfg, rank, device):
     amp_dtype = compute_dtype(cfg, device.type)
     scaler = pipeline_grad_scaler(amp_dtype, device)
-    timeline = Timeline(device, amp_dtype)
-    mesh, stages, schedule, optimizers, num_params = build_pipeline(cfg, device, timeline, scaler)
+    loss = scaled_loss(scaler)
+    timeline = Timeline(device, timeline_enabled(cfg, device))  # lean: drop
+    loss = timeline.counted(loss)  # lean: drop
+    mesh, stages, schedule, optimizers = build_pipeline(cfg, device, amp_dtype, loss)
+    # lean: begin the timeline probe
+    for stage in stages:
+        timeline.instrument(stage)  # outside autocast: the action's whole time
+    # lean: end
     modules = [s.submod for s in stages]
     start_step = load_checkpoint(cfg, modules, optimizers, rank)
     batches = micro_batches(cfg, mesh.get_local_rank("dp"), cfg.dp, start_step,
@@ -1733,6 +1774,7 @@ def train(cfg, rank, device):
     last_step = cfg.stop_at_step or cfg.steps
     log, first_grads = StepLog(cfg, device, start_step, last_step, loss_divisor=cfg.dp), {}
     if rank == 0:
+        num_params = sum(math.prod(shape) for shape in parameter_shapes(cfg).values())
         print(f"{LAB_NAME} | {dist.get_backend()} x{dist.get_world_size()} | {device} | "
               f"{precision_name(amp_dtype)} | {num_params:,} params | {cfg.schedule} | dp "
               f"{cfg.dp} x pp {dist.get_world_size() // cfg.dp} x {cfg.stages_per_rank} "
@@ -1741,69 +1783,94 @@ def train(cfg, rank, device):
 
     def step_fn(step):
         set_learning_rate(optimizers, cfg, step)
-        timeline.start_step()
+        timeline.start_step()  # lean: drop
         t0 = time.perf_counter()
         batch = next(batches)
         data_s = time.perf_counter() - t0
-        grads_out = first_grads if cfg.check_parity and step == 1 else None
-        return train_step(cfg, schedule, stages, optimizers, scaler, batch, device,
-                          grads_out), data_s
+        # lean: begin the parity reference's step-1 gradients
+        if cfg.check_parity and step == 1:
+            return train_step(cfg, schedule, stages, optimizers, scaler, batch, device,
+                              first_grads), data_s
+        # lean: end
+        return train_step(cfg, schedule, stages, optimizers, scaler, batch, device), data_s
 
     train_loop(cfg, rank, device, start_step, log, step_fn,
                lambda step: save_checkpoint(cfg, modules, optimizers, step, rank))
-    return modules, timeline, log, first_grads, stages, amp_dtype
+    report = {"stages": stages, "log": log, "amp_dtype": amp_dtype}
+    report.update(timeline=timeline, first_grads=first_grads)  # lean: drop
+    return modules, report
 
 
-def pipeline_metrics(cfg, timeline, stages, world_size):
-    """Gather every rank's timeline and activation peak: the pipeline-specific metrics."""
+# lean: begin the timeline probe's switch
+def timeline_enabled(cfg, device):
+    return cfg.timeline == "on" or (cfg.timeline == "auto" and device.type == "cpu")
+# lean: end
+
+
+def pipeline_metrics(cfg, world_size):
+    return {"schedule": cfg.schedule, "pp_size": world_size // cfg.dp, "dp_size": cfg.dp,
+            "stages_per_rank": cfg.stages_per_rank, "num_microbatches": cfg.microbatches}
+
+
+# lean: begin the timeline probe's report
+def timeline_metrics(cfg, timeline, stages, world_size):
+    """Gather every rank's timeline and activation peak: the measured bubble and memory."""
     gathered = [None] * world_size
     mine = {"steps": timeline.steps, "saved_peak": timeline.memory.peak,
             "stages": [s.stage_index for s in stages]}
     dist.all_gather_object(gathered, mine)  # one object per rank, once, after training
+    result = {"stages_per_rank_ids": [g["stages"] for g in gathered],
+              "saved_activation_peak_bytes_per_rank": [g["saved_peak"] for g in gathered]}
+    if not timeline.enabled:
+        return {**result, "bubble": None, "timeline": None}
     pp_size = world_size // cfg.dp
     pipeline = gathered[:pp_size]  # dp replica 0's pipeline: ranks 0..pp-1
     use_cpu_time = stages[0].device.type == "cpu" and torch.get_num_threads() == 1
     bubble, events = analyse_timeline([g["steps"] for g in pipeline], use_cpu_time)
     bubble["formula"] = bubble_formula(cfg, pp_size)
     return {
-        "schedule": cfg.schedule, "pp_size": pp_size, "dp_size": cfg.dp,
-        "stages_per_rank": cfg.stages_per_rank, "num_microbatches": cfg.microbatches,
-        "stages_per_rank_ids": [g["stages"] for g in gathered],
-        "bubble": bubble,
+        **result, "bubble": bubble,
         "timeline": {"columns": ["kind", "stage", "microbatch", "start_s", "end_s", "cpu_s"],
                      "ranks": events},
-        "saved_activation_peak_bytes_per_rank": [g["saved_peak"] for g in gathered],
         "microbatches_in_flight_per_rank": [microbatches_in_flight(e) for e in events],
     }
+# lean: end
 
 
 def run(cfg, rank, world_size, device, wall_start):
     """Train, check parity, report. Every model (and DDP reducer) lives and dies in here."""
-    modules, timeline, log, first_grads, stages, amp_dtype = train(cfg, rank, device)
+    modules, report = train(cfg, rank, device)
+    log, stages, amp_dtype = report["log"], report["stages"], report["amp_dtype"]
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory_bytes(device))
-    extra = pipeline_metrics(cfg, timeline, stages, world_size)
+    extra = pipeline_metrics(cfg, world_size)
+    extra.update(timeline_metrics(cfg, report["timeline"], stages, world_size))  # lean: drop
     usage = utilisation(cfg, log, world_size, device, amp_dtype)  # every rank at once
+    # lean: begin the parity reference
     parity = grad_parity = loss_parity = ref_losses = None
     if cfg.check_parity:
         (parity, grad_parity, loss_parity), ref_losses = check_parity(
-            cfg, stages, first_grads, log.losses, timeline)
+            cfg, stages, report["first_grads"], log.losses, report["timeline"])
         grad_parity = None if grad_parity < 0 else grad_parity  # resumed: no step 1 here
+    # lean: end
     if rank == 0:
-        metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage, parity,
-                                    ref_losses),
+        metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage),
                    "precision": precision_name(amp_dtype), "peak_mem_bytes_per_rank": peaks,
-                   "grad_parity_max_abs_diff": grad_parity,
-                   "loss_parity_max_abs_diff": loss_parity, **extra}
+                   **extra}
+        # lean: begin the parity report
+        metrics.update(parity_metrics(cfg, parity, ref_losses),
+                       grad_parity_max_abs_diff=grad_parity,
+                       loss_parity_max_abs_diff=loss_parity)
+        # lean: end
         if cfg.metrics_out:
             write_json_atomic(cfg.metrics_out, metrics)
         print(summary_line(metrics), flush=True)
+        # lean: begin the parity verdict
         worst = max(d for d in (parity, grad_parity, loss_parity) if d is not None) \
             if parity is not None else None
-        if worst is not None and worst > cfg.parity_tol:
-            sys.exit(f"parity check failed: max |diff| {worst:.2e} > {cfg.parity_tol:.0e} "
-                     f"(params {parity:.1e}, step-1 grads {grad_parity}, losses "
-                     f"{loss_parity:.1e})")
+        exit_if_parity_fails(worst, cfg.parity_tol, f" (the worst of params {parity:.1e}, "
+                             f"step-1 grads {grad_parity}, losses {loss_parity:.1e})")
+        # lean: end
 
 
 # --8<-- [start:main]
