@@ -1,6 +1,8 @@
 # Distributed PyTorch, Hands-On: two commands.
 #   make course   run every lab, execute every lesson, build the site, print a summary
 #   make test     the full test suite (what CI runs)
+#   make lean     build/lean/labNN_*.py: each lab without its teaching and drill code
+#   make gpu-check  everything that needs CUDA, on the GPUs present (exits 1 without one)
 #
 # Environment: the active one if any (a venv, or conda from environment.yml), else ./.venv,
 # created on first use. Versions: requirements.txt gives the supported ranges; constraints.txt
@@ -20,7 +22,7 @@ endif
 
 PIP_CONSTRAINTS := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: course test deps test-tools site clean gpu-check
+.PHONY: course test deps test-tools site clean gpu-check lean
 
 course: deps
 	$(PY) tools/course.py
@@ -62,6 +64,11 @@ gpu-check:
 
 site: deps
 	$(PY) -m mkdocs build --strict
+
+# The copy of each lab a project keeps: build/lean/labNN_*.py, without the teaching and drill
+# code (the marked regions; tools/lean.py). Same losses as the full lab, bit for bit.
+lean:
+	$(PY) tools/lean.py
 
 clean:
 	rm -rf build site .pytest_cache

@@ -817,12 +817,13 @@ def device_peak_flops(device, dtype):
 
 
 def flops_per_token(cfg, seq_len):
-    """Training FLOPs per token: 6 per weight that multiplies (2 forward, 4 backward; the
-    embedding is a lookup, so it is left out), plus attention's QK^T and AV, 12 x layers x
-    heads x head_dim x seq_len (PaLM, arXiv:2204.02311, appendix B; causal masking is not
-    subtracted, as in torchtitan). With the actual sequence length, not the preset's."""
+    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward; the embedding is
+    a lookup and the norms' weights scale elementwise, so both are left out), plus attention's
+    QK^T and AV, 12 x layers x heads x head_dim x seq_len (PaLM, arXiv:2204.02311, appendix B;
+    causal masking is not subtracted, as in torchtitan). With the actual sequence length."""
     shapes = parameter_shapes(cfg)
-    matmul_params = sum(math.prod(s) for n, s in shapes.items() if "embeddings" not in n)
+    matmul_params = sum(math.prod(s) for n, s in shapes.items()
+                        if len(s) == 2 and "embeddings" not in n)
     return 6 * matmul_params + 12 * cfg.num_layers * cfg.dim * seq_len
 
 

@@ -43,7 +43,7 @@ Use it in your project:
     only); `SyntheticSequences`.
   - Keep: `stage_ids_for_rank()`; the ("pp", "dp") mesh of `build_pipeline()` (stages across
     nodes, sends on "pp" only); `train_step()`: inputs to the first stage, target and losses
-    to the last, one all-reduce for the logged loss; `clip_grad_norm()` across stages;
+    to the last, the loss left on the device for the next sync point; `clip_grad_norm()` across stages;
     checkpoints keyed by whole-model names (any pp or dp).
   - Pitfalls: stages split `--num-layers` evenly, but the first and last also hold embedding
     and output: balance by cost. Bubble (pp-1)/(m+pp-1) for GPipe and 1F1B
@@ -903,12 +903,13 @@ def device_peak_flops(device, dtype):
 
 
 def flops_per_token(cfg, seq_len):
-    """Training FLOPs per token: 6 per weight that multiplies (2 forward, 4 backward; the
-    embedding is a lookup, so it is left out), plus attention's QK^T and AV, 12 x layers x
-    heads x head_dim x seq_len (PaLM, arXiv:2204.02311, appendix B; causal masking is not
-    subtracted, as in torchtitan). With the actual sequence length, not the preset's."""
+    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward; the embedding is
+    a lookup and the norms' weights scale elementwise, so both are left out), plus attention's
+    QK^T and AV, 12 x layers x heads x head_dim x seq_len (PaLM, arXiv:2204.02311, appendix B;
+    causal masking is not subtracted, as in torchtitan). With the actual sequence length."""
     shapes = parameter_shapes(cfg)
-    matmul_params = sum(math.prod(s) for n, s in shapes.items() if "embeddings" not in n)
+    matmul_params = sum(math.prod(s) for n, s in shapes.items()
+                        if len(s) == 2 and "embeddings" not in n)
     return 6 * matmul_params + 12 * cfg.num_layers * cfg.dim * seq_len
 
 
@@ -1866,10 +1867,10 @@ def run(cfg, rank, world_size, device, wall_start):
             write_json_atomic(cfg.metrics_out, metrics)
         print(summary_line(metrics), flush=True)
         # lean: begin the parity verdict
-        worst = max(d for d in (parity, grad_parity, loss_parity) if d is not None) \
-            if parity is not None else None
-        exit_if_parity_fails(worst, cfg.parity_tol, f" (the worst of params {parity:.1e}, "
-                             f"step-1 grads {grad_parity}, losses {loss_parity:.1e})")
+        if parity is not None:
+            worst = max(d for d in (parity, grad_parity, loss_parity) if d is not None)
+            exit_if_parity_fails(worst, cfg.parity_tol, f" (the worst of params {parity:.1e}, "
+                                 f"step-1 grads {grad_parity}, losses {loss_parity:.1e})")
         # lean: end
 
 

@@ -1,9 +1,8 @@
-"""What each lab's docstring promises about its own run, checked against a real run; and two
-small pieces of the shared code whose effect only shows on a GPU or in `make course`."""
+"""What each lab's docstring promises about its own run, checked against a real run; and the
+course runner's summary line. (The CUDA-only choices are tested in test_gpu_defaults.py.)"""
 
 import re
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -34,20 +33,6 @@ def test_docstring_expected_last_line_matches_a_run(lab_path, tmp_path):
     done = [line for line in proc.stdout.splitlines() if line.startswith("done | ")][-1]
     assert f"| gloo x{nproc} | {steps} steps | loss {loss_prefix}" in done, done
     assert float(parity) <= metrics["parity_tol"] and metrics["parity_max_abs_diff"] <= 1e-5
-
-
-@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
-def test_step_time_waits_for_the_gpu(lab_path, monkeypatch):
-    """On CUDA the step time is taken after torch.cuda.synchronize: without it a step measures
-    the CPU's dispatch of asynchronous kernels. Driven by a fake device, on CPU."""
-    lab = load_script(lab_path)
-    calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
-    lab.seconds_since(0.0, torch.device("cpu"))
-    assert calls == []
-    cuda = types.SimpleNamespace(type="cuda")
-    lab.seconds_since(0.0, cuda)
-    assert calls == [cuda]
 
 
 def test_course_runner_prints_the_summary_line_not_a_later_warning(tmp_path):

@@ -17,12 +17,13 @@ page's "GPU: verified on ..." sentence.
 
 Honest by construction: a result is "passed" only when its command ran and exited 0 (and, for
 a lab, printed its "done | " line and wrote its metrics). The pipeline lab at N == 1 is a
-stated skip. A command past its timeout is killed with its whole process group and is FAILED,
+stated skip. A command past its timeout is killed with every process below it and is FAILED,
 naming the command. Everything must fit DEADLINE_S (10 minutes on one GPU); what the deadline
 leaves no time for is FAILED as not run. Exit 0 only if everything that ran passed. Without a
 GPU: one line and exit 1, since nothing was checked.
 """
 
+import contextlib
 import datetime
 import json
 import os
@@ -110,10 +111,42 @@ def pytest_command():
 
 
 # ---------------------------------------------------------------- running a command
+def descendants(pid):
+    """Every live process below pid, from /proc. torchrun starts each worker in a session of
+    its own (elastic's SubprocessHandler: start_new_session=True), so killing torchrun's
+    process group alone would leave the workers running, holding their GPUs."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")"
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # exited while we looked
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_all(proc, everything):
+    """everything (after a timeout): SIGKILL the command and every process below it. In every
+    case SIGKILL what is left of its process group (a straggler of a finished command), then
+    reap the command."""
+    pids = [*descendants(proc.pid), proc.pid] if everything else []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # the group is gone: the normal case
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def run_command(cmd, timeout):
-    """Run cmd in its own process group; past timeout the whole group is killed (torchrun's
-    workers too, which would otherwise keep the GPU). Output goes to a file, not a pipe, so
-    a straggling grandchild cannot keep the call open. Returns rc (None on timeout) and output."""
+    """Run cmd in its own process group; past its timeout it is killed with everything below
+    it (torchrun's workers would otherwise keep the GPUs from the next command). Output goes
+    to a file, not a pipe, so a straggler cannot keep the call open. rc is None on timeout."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # a launch of our own, not a rank of the caller's job
@@ -124,19 +157,37 @@ def run_command(cmd, timeout):
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             rc = None
+        except BaseException:  # Ctrl-C: a new session does not get the terminal's SIGINT
+            kill_all(proc, everything=True)
+            raise
+        kill_all(proc, everything=rc is None)
         log.seek(0)
         out = log.read()
     return {"rc": rc, "out": out, "wall_s": round(time.monotonic() - t0, 1)}
 
 
+def shown(cmd):
+    """A command as a reader can rerun it from the repo root: no venv, checkout or temp paths
+    of this machine in a committed record."""
+    tmp = tempfile.gettempdir()
+    parts = []
+    for part in map(str, cmd):
+        if part == PYTHON:
+            part = "python"
+        elif part.startswith(f"{ROOT}/"):
+            part = part[len(str(ROOT)) + 1:]
+        elif part.startswith(f"{tmp}/"):
+            part = "$TMPDIR/" + Path(part).name
+        parts.append(part)
+    return " ".join(parts)
+
+
 def failure_reason(done, cmd, timeout):
-    shown = " ".join(map(str, cmd))
+    shown_cmd = shown(cmd)
     if done["rc"] is None:
-        return f"timed out after {timeout:.0f} s: {shown}"
-    return f"exit {done['rc']}: {shown}"
+        return f"timed out after {timeout:.0f} s: {shown_cmd}"
+    return f"exit {done['rc']}: {shown_cmd}"
 
 
 def precision_label(precision):
@@ -150,7 +201,7 @@ def precision_label(precision):
 def lab_result(run, done, timeout):
     """passed only if the lab exited 0, printed its "done | " line and wrote its metrics."""
     result = {"lab": run["lab"], "what": run["what"], "model": run["model"],
-              "command": " ".join(map(str, run["cmd"])), "wall_s": done["wall_s"]}
+              "command": shown(run["cmd"]), "wall_s": done["wall_s"]}
     metrics_path = run["metrics"]
     metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else None
     said_done = any(line.startswith("done | ") for line in done["out"].splitlines())
@@ -181,7 +232,7 @@ def pytest_result(done, cmd, timeout):
     counts = pytest_counts(done["out"])
     said = ", ".join(f"{n} {word}" for word, n in counts.items()) or "no summary line"
     result = {"lab": "tests", "what": "pytest -m gpu", "model": None, "counts": counts,
-              "command": " ".join(cmd), "wall_s": done["wall_s"]}
+              "command": shown(cmd), "wall_s": done["wall_s"]}
     if done["rc"] != 0:
         return {**result, "status": "failed",
                 "reason": f"{said}; {failure_reason(done, cmd, timeout)}"}
@@ -202,7 +253,7 @@ class Deadline:
 
 
 def not_run(run, why):
-    command = " ".join(map(str, run["cmd"])) if run.get("cmd") else None
+    command = shown(run["cmd"]) if run.get("cmd") else None
     status = "skipped" if run.get("skip") else "failed"  # a stated skip; else it should have run
     return {"lab": run["lab"], "what": run["what"], "model": run.get("model"),
             "command": command, "status": status, "reason": why}
@@ -217,7 +268,7 @@ def check_lab(run, deadline):
     timeout = deadline.budget(RUN_TIMEOUT_S)
     if timeout is None:
         return not_run(run, DEADLINE_REASON)
-    print(f">> {run['lab']} {run['what']}: {' '.join(map(str, run['cmd']))}", flush=True)
+    print(f">> {run['lab']} {run['what']}: {shown(run['cmd'])}", flush=True)
     done = run_command(run["cmd"], timeout)
     result = lab_result(run, done, timeout)
     if result["status"] == "failed":
@@ -230,7 +281,7 @@ def check_tests(deadline):
     timeout = deadline.budget(PYTEST_TIMEOUT_S)
     if timeout is None:
         return not_run({"lab": "tests", "what": "pytest -m gpu", "cmd": cmd}, DEADLINE_REASON)
-    print(f">> tests: {' '.join(cmd)}", flush=True)
+    print(f">> tests: {shown(cmd)}", flush=True)
     done = run_command(cmd, timeout)
     for line in done["out"].splitlines():  # pytest -ra: every skip and failure, with reasons
         if line.startswith(("SKIPPED", "FAILED", "ERROR")):
@@ -270,8 +321,9 @@ print(json.dumps({"device": " + ".join(names), "cuda": torch.version.cuda, "nccl
 
 
 def device_facts(num_gpus):
-    """What ran on: the same facts for every result of this run. Asked in a child process, so
-    this one never initialises CUDA and holds no context (no GPU memory) while the labs run."""
+    """What ran on: the same facts for every result of this run. The names are asked in a
+    child process: get_device_name goes through torch's CUDA initialisation, and this process
+    is only a launcher that should hold nothing on the GPUs while the labs run."""
     done = run_command([PYTHON, "-c", FACTS_CODE], PLAN_TIMEOUT_S)
     if done["rc"] != 0:
         raise RuntimeError(f"gpu-check: could not read the GPUs' names:\n{done['out']}")
@@ -318,7 +370,7 @@ def main():
     print_table(results)
     ok = all(r["status"] != "failed" for r in results)
     print(f"\ngpu-check: {'all that ran passed' if ok else 'FAILED'}; results appended to "
-          f"{verified.GPU_RECORDS.relative_to(ROOT)}")
+          f"{verified.GPU_RECORDS} (commit it: the pages' GPU stamps read it)")
     return 0 if ok else 1
 
 

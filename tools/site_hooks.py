@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
 import decision_guide  # noqa: E402  (tools/decision_guide.py)
 import error_index  # noqa: E402  (tools/error_index.py)
+import lean  # noqa: E402  (tools/lean.py)
 import verified  # noqa: E402  (tools/verified.py)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,21 +53,56 @@ def project_guide(doc):
     return guide, doc[:match.start()] + doc[match.end():]
 
 
+PLAN_EXAMPLE = ["--plan", "--model", "8b", "--nproc", "8", "--gpu", "H100-80GB"]
+
+
+def plan_example(lab):
+    """The lab's own --plan output for 8b on 8 x H100-80GB, run at build time (no GPU needed)."""
+    import subprocess
+
+    extra = ["--microbatches", "8"] if "pipeline" in lab.stem else []
+    cmd = [sys.executable, str(lab), *PLAN_EXAMPLE, *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    return f"python labs/{lab.name} {' '.join(PLAN_EXAMPLE + extra)}", out.strip()
+
+
+def downloads(lab):
+    """Markdown for the two files a reader can take: the full lab and its lean copy."""
+    full, slim = lab.read_text(), lean.lean_source(lab.read_text(), lab.stem)
+    return ["## Download", "",
+            f"- [`{lab.name}`](../downloads/{lab.name}): the full lab, "
+            f"{len(full.splitlines())} lines, with its parity reference, probes and fault drills.",
+            f"- [`{lab.name}`, lean](../downloads/lean/{lab.name}): the copy a project keeps, "
+            f"{len(slim.splitlines())} lines: the same training (its losses equal the full "
+            "lab's bit for bit), without the teaching and drill code. `make lean` writes it "
+            "to `build/lean/`.", ""]
+
+
 def lab_page(lab, previous):
     guide, doc = project_guide(docstring(lab))
     title, _, rest = doc.partition("\n")
-    stamp = verified.lab_stamp(lab.stem)
+    stamp, gpu_stamp = verified.lab_stamp(lab.stem), verified.gpu_stamp(lab.stem)
+    plan_cmd, plan_out = plan_example(lab)
     lines = [f"# {title}", "",
              f"Source: `labs/{lab.name}` (one self-contained file: copy it "
              "anywhere with torch installed and run it).", "",
              f"!!! success \"Verified\"\n    {stamp}" if stamp
              else "!!! warning \"Not verified in this build\"\n    No run of this lab was recorded "
                   "(`make test` and `make course` record them).", "",
+             f"!!! success \"Verified on GPU\"\n    {gpu_stamp}" if gpu_stamp
+             else "!!! note \"Not yet verified on a GPU\"\n    No `make gpu-check` run is "
+                  "recorded (`verified/gpu-check.jsonl`). The CUDA path is tested on CPU with "
+                  "faked devices (`tests/test_gpu_defaults.py`); nothing here was measured on "
+                  "a GPU.", "",
+             *downloads(lab),
              "```text", rest.strip(), "```", "",
              "## Run it", "", "```bash", f"torchrun --standalone --nproc-per-node 2 labs/{lab.name}"
              " --check-parity", "```", ""]
     if guide:
         lines += ["## Use it in your project", "", guide, ""]
+    lines += ["## Plan a big run", "", "What the lab would do on hardware this machine does "
+              "not have; it starts no process group. Run at build time:", "", "```bash",
+              plan_cmd, "```", "", "```text", plan_out, "```", ""]
     log = ROOT / "build" / "course" / f"{lab.stem}.log"
     if log.exists():
         output = [line for line in log.read_text().splitlines() if not line.startswith("W")]
@@ -78,8 +114,9 @@ def lab_page(lab, previous):
                                     lab.read_text().splitlines(),
                                     f"labs/{previous.name}", f"labs/{lab.name}", lineterm="")
         lines += [f"## What changed since `{previous.name}`", "",
-                  "Generated at build time; the shared regions (cli, setup, model, data, "
-                  "metrics, faults, main) are identical, so the diff is the new technique.", "",
+                  "Generated at build time; the shared regions (cli, setup, mesh, model, data, "
+                  "metrics, plan, faults, schedule, loop, main) are identical, so the diff is "
+                  "the new technique.", "",
                   "```diff", *diff,
                   "```", ""]
     return "\n".join(lines)
@@ -135,6 +172,9 @@ def on_files(files, config):
     previous = None
     for lab in lesson_tools.lab_paths():
         add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous))
+        add_generated(files, config, f"downloads/{lab.name}", lab.read_text())
+        add_generated(files, config, f"downloads/lean/{lab.name}",
+                      lean.lean_source(lab.read_text(), lab.stem))
         previous = lab
     add_generated(files, config, "labs/index.md", labs_index())
     add_generated(files, config, "reference/torchrun-flags.md", torchrun_flags_page())

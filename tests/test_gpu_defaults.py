@@ -1,0 +1,152 @@
+"""The labs' CUDA choices, tested on CPU: the decision logic driven by faked device
+capabilities, and the loop's promise that it reads device values only at sync points.
+
+What the choices are (labs/*.py, shared regions setup and loop):
+- precision: bf16 on a GPU that has it, fp16 + GradScaler on one that does not, fp32 on CPU;
+- FSDP gathers in that dtype (MixedPrecisionPolicy), not fp32 under autocast;
+- batches copied with non_blocking come from a pinned DataLoader on CUDA;
+- losses and the preemption flag are reduced and read only at sync points, and step times are
+  taken after that read (when the device has finished the window's work).
+"""
+
+import argparse
+import re
+import signal
+
+import pytest
+import torch
+
+from launcher import LABS, load_script
+
+LAB_PATHS = sorted(LABS.glob("lab[0-9][0-9]_*.py"))
+
+
+@pytest.fixture(scope="module")
+def labs():
+    return {path.stem: load_script(path) for path in LAB_PATHS}
+
+
+@pytest.mark.parametrize("requested, device_type, has_bf16, expected", [
+    ("auto", "cpu", True, None),            # CPU: fp32, so parity holds to 1e-5
+    ("auto", "cuda", True, torch.bfloat16),  # A100, H100: bf16, no loss scaling
+    ("auto", "cuda", False, torch.float16),  # V100, T4: fp16 with a GradScaler
+    ("off", "cuda", True, None),
+    ("bf16", "cpu", True, torch.bfloat16),
+    ("fp16", "cuda", True, torch.float16),
+])
+def test_precision_follows_the_device(labs, requested, device_type, has_bf16, expected):
+    for lab in labs.values():
+        assert lab.choose_precision(requested, device_type, has_bf16) is expected
+
+
+def test_a_gpu_without_bf16_gets_fp16_and_a_live_grad_scaler(labs, monkeypatch):
+    lab = labs["lab01_ddp"]
+    monkeypatch.setattr(lab, "cuda_has_bf16", lambda: False)  # a V100, faked
+    cfg = lab.parse_config([])
+    dtype = lab.compute_dtype(cfg, "cuda")
+    assert dtype is torch.float16 and lab.precision_name(dtype) == "fp16 + GradScaler"
+    assert lab.make_grad_scaler(dtype, torch.device("cpu")).is_enabled()
+    assert not lab.make_grad_scaler(torch.bfloat16, torch.device("cpu")).is_enabled()
+    assert not lab.make_grad_scaler(None, torch.device("cpu")).is_enabled()
+
+
+def test_fsdp_gathers_in_the_compute_dtype_by_default_on_cuda(labs, monkeypatch):
+    """Autocast over fp32 shards would still all-gather fp32: twice the bytes of bf16."""
+    lab = labs["lab02_fsdp"]
+    cfg = lab.parse_config([])
+    assert cfg.mixed_precision == "auto"
+    monkeypatch.setattr(lab, "cuda_has_bf16", lambda: True)
+    assert lab.fsdp_param_dtype(cfg, "cuda") is torch.bfloat16
+    monkeypatch.setattr(lab, "cuda_has_bf16", lambda: False)
+    assert lab.fsdp_param_dtype(cfg, "cuda") is torch.float16
+    assert lab.fsdp_param_dtype(cfg, "cpu") is None  # fp32 on CPU: parity unchanged
+    assert lab.fsdp_param_dtype(lab.parse_config(["--mixed-precision", "fp32"]), "cuda") is None
+
+
+def test_the_pipeline_timeline_probe_is_off_on_cuda(labs):
+    """Timing each action synchronises the GPU around it; the CPU runs synchronously anyway."""
+    lab = labs["lab04_pipeline"]
+    cfg = argparse.Namespace(timeline="auto")
+    assert lab.timeline_enabled(cfg, torch.device("cpu"))
+    assert not lab.timeline_enabled(cfg, argparse.Namespace(type="cuda"))
+    assert lab.timeline_enabled(argparse.Namespace(timeline="on"), argparse.Namespace(type="cuda"))
+
+
+@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
+def test_batches_are_pinned_on_cuda(lab_path, labs, monkeypatch):
+    """non_blocking from pageable memory is a synchronous copy; from pinned memory it overlaps."""
+    source = lab_path.read_text()
+    train = source[source.index("\ndef train("):]
+    assert re.search(r"micro_batches\((?:[^()]|\([^()]*\))*pin_memory=device\.type == \"cuda\"\)",
+                     train), \
+        "train() must ask for pinned batches on CUDA"
+    lab = labs[lab_path.stem]
+    seen = {}
+
+    class Recording(lab.DataLoader):
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+            super().__init__(*args, **{**kwargs, "pin_memory": False})  # no CUDA here
+
+    monkeypatch.setattr(lab, "DataLoader", Recording)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the pipeline lab needs two stages
+    next(lab.micro_batches(lab.parse_config([]), 0, 1, 0, pin_memory=True))
+    assert seen["pin_memory"] is True
+
+
+class FakeWatch:
+    requested = False
+
+
+def step_log(lab, monkeypatch, log_every=5, checkpoint_every=0, last_step=12):
+    reads = []
+    monkeypatch.setattr(lab.dist, "all_reduce", lambda tensor, *a, **k: reads.append(len(tensor)))
+    cfg = argparse.Namespace(log_every=log_every, checkpoint_every=checkpoint_every,
+                             checkpoint_dir="ckpt" if checkpoint_every else "")
+    return lab.StepLog(cfg, torch.device("cpu"), 0, last_step, loss_divisor=2), reads
+
+
+def test_losses_are_read_only_at_sync_points(labs, monkeypatch):
+    lab = labs["lab01_ddp"]
+    log, reads = step_log(lab, monkeypatch)
+    watch = FakeWatch()
+    for step in range(1, 13):
+        assert log.add(step, torch.tensor(2.0 * step), 0.0, watch) is False
+    # Sync points: the first step, every 5th, the last: one all-reduce (and one host read)
+    # each, carrying the window's losses plus the preemption flag.
+    assert reads == [1 + 1, 4 + 1, 5 + 1, 2 + 1]
+    assert log.losses == [[step, float(step)] for step in range(1, 13)]  # summed / divisor
+    assert [w["steps"] for w in log.windows] == [1, 4, 5, 2]
+
+
+def test_checkpoint_steps_are_sync_points_and_carry_the_preemption_flag(labs, monkeypatch):
+    lab = labs["lab01_ddp"]
+    log, reads = step_log(lab, monkeypatch, log_every=10, checkpoint_every=3, last_step=7)
+    watch = FakeWatch()
+    assert [log.is_sync_point(s) for s in range(1, 8)] == [True, False, True, False, False,
+                                                            True, True]
+    assert log.add(1, torch.tensor(1.0), 0.0, watch) is False
+    watch.requested = True  # SIGTERM arrives during step 2
+    assert log.add(2, torch.tensor(1.0), 0.0, watch) is False  # not a sync point: no read
+    assert log.add(3, torch.tensor(1.0), 0.0, watch) is True  # agreed at the next one
+    assert len(reads) == 2
+
+
+def test_sigterm_only_raises_the_flag(labs):
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        watch = labs["lab02_fsdp"].PreemptionWatch()
+        signal.raise_signal(signal.SIGTERM)
+        assert watch.requested is True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
+def test_the_training_step_reads_nothing_from_the_device(lab_path):
+    """No .item(), .tolist() or synchronize between sync points: the step functions return
+    device tensors, and only StepLog.add reads them."""
+    source = lab_path.read_text()
+    step = re.search(r"\ndef train_step\(.*?(?=\n\S)", source, re.S).group(0)
+    assert not re.search(r"\.item\(\)|\.tolist\(\)|synchronize\(", step), lab_path.stem
+    assert "seconds_since" not in source  # the old per-step synchronize

@@ -1,0 +1,156 @@
+"""Model sizes that matter, on a laptop: the --model presets, the memory estimate that refuses
+what cannot fit (one line, exit 2, before any process group), --plan for hardware this
+machine does not have, and the FLOPs per token behind every lab's MFU."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from launcher import LABS, PYTHON, REPO, load_script
+
+sys.path.insert(0, str(LABS))
+import memory_estimator  # noqa: E402  (the course's stand-alone estimator)
+
+LAB_PATHS = sorted(LABS.glob("lab[0-9][0-9]_*.py"))
+PLAN_8B = ["--plan", "--model", "8b", "--nproc", "8", "--gpu", "H100-80GB"]
+
+
+@pytest.fixture(scope="module")
+def lab02():
+    return load_script(LABS / "lab02_fsdp.py")
+
+
+def config(lab, args, monkeypatch):
+    """parse_config without the fit check: an 8b config on a laptop, to count it."""
+    monkeypatch.setattr(lab, "plan_or_refuse", lambda *a: None)
+    return lab.parse_config(args)
+
+
+def num_params(lab, args, monkeypatch):
+    shapes = lab.parameter_shapes(config(lab, args, monkeypatch))
+    return sum(torch.Size(s).numel() for s in shapes.values())
+
+
+def test_presets_have_the_published_shapes(lab02, monkeypatch):
+    # Llama-3.1-8B: 8,030,261,248 parameters (its config.json: dim 4096, 32 layers, 32 heads,
+    # 8 kv heads, ffn 14336, vocab 128256).
+    assert num_params(lab02, ["--model", "8b"], monkeypatch) == 8_030_261_248
+    # Llama-3.2-1B ties its output to the embedding (1,235,814,400); ours is untied.
+    untied = num_params(lab02, ["--model", "1b"], monkeypatch)
+    assert untied - 128256 * 2048 == 1_235_814_400
+    assert num_params(lab02, [], monkeypatch) == 139_584
+    assert num_params(lab02, ["--model", "debug"], monkeypatch) == 139_584
+
+
+def test_debug_is_the_old_default_model(lab02):
+    cfg = lab02.parse_config([])
+    assert (cfg.dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_dim,
+            cfg.vocab_size, cfg.seq_len, cfg.micro_batch_size) == (64, 2, 4, 4, 256, 64, 32, 8)
+    assert lab02.parse_config(["--dim", "128"]).ffn_dim == 512  # follows --dim, as before
+
+
+def test_a_preset_field_can_be_overridden(lab02):
+    cfg = lab02.parse_config(["--model", "small", "--num-layers", "2", "--seq-len", "64"])
+    assert (cfg.dim, cfg.num_layers, cfg.seq_len, cfg.num_kv_heads) == (256, 2, 64, 4)
+
+
+def run_plain(lab, args, timeout=120):
+    """The lab as a plain process that believes it is one of 2 (as torchrun would say): its
+    checks run, and it must exit before it starts any process group."""
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    return subprocess.run([PYTHON, str(LABS / f"{lab}.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
+def test_a_model_too_big_for_this_machine_is_refused_before_any_process_group(lab_path):
+    proc = run_plain(lab_path.stem, ["--model", "8b"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--model: 8b needs about" in lines[0] and "GB per rank" in lines[0]
+    assert "see --plan" in lines[0]
+
+
+def test_plan_8b_on_8_h100_starts_no_process_group(lab02, monkeypatch, capsys):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("--plan started a process group")
+
+    monkeypatch.setattr(lab02.dist, "init_process_group", forbidden)
+    monkeypatch.setattr(lab02.dist, "TCPStore", forbidden)
+    with pytest.raises(SystemExit) as exit_info:
+        lab02.main(PLAN_8B)
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "plan | lab02_fsdp | 8 x H100-80GB | --model 8b: 8.03B params, seq 8192" in out
+    assert "mesh: dp=8 (fully_shard, one unit per block)" in out
+    assert "precision: bf16 compute; MixedPrecisionPolicy" in out
+    assert "not counted: the CUDA context" in out
+    assert "with --activation-checkpointing:" in out and ", fits" in out
+
+
+def test_the_plan_state_bytes_agree_with_the_course_estimator(lab02, monkeypatch):
+    """The lab's estimate of params, grads and AdamW state per rank is memory_estimator.py's
+    ZeRO-3 figure (the estimator lesson 02 checks against measured bytes)."""
+    cfg = config(lab02, ["--model", "8b", "--plan", "--nproc", "8"], monkeypatch)
+    items = lab02.estimate_memory(cfg, lab02.plan_layout(cfg, 8), torch.bfloat16)
+    total = num_params(lab02, ["--model", "8b"], monkeypatch)
+    expected = memory_estimator.estimate_per_rank(total, 8, "zero3")
+    assert items["params (fp32)"] == expected.params_bytes
+    assert items["grads (fp32)"] == expected.grads_bytes
+    assert items["AdamW state (2 x fp32)"] == expected.optimizer_bytes
+
+
+@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
+def test_every_lab_plans_an_8b_run(lab_path):
+    extra = ["--microbatches", "8"] if "pipeline" in lab_path.stem else []
+    proc = run_plain(lab_path.stem, [*PLAN_8B, *extra])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"plan | {lab_path.stem} | 8 x H100-80GB" in proc.stdout
+    assert "memory per rank (estimate, the busiest rank):" in proc.stdout
+    assert "GB of 80.0 GB: " in proc.stdout and "(limit 90%)" in proc.stdout
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--plan", "--gpu", "X100"], "--gpu"),
+    (["--gpu", "H100-80GB"], "--gpu"),      # --gpu without --plan means nothing
+    (["--nproc", "8"], "--nproc"),
+])
+def test_bad_plan_input_is_one_line_and_exit_2(args, flag):
+    proc = run_plain("lab02_fsdp", args, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"error: {flag}" in lines[0], proc.stderr
+
+
+def test_flops_per_token_matches_torch_flop_counter(lab02):
+    """6N + 12 L d s, against torch's FlopCounterMode over one forward and backward. The
+    counter sees the model's matmuls (the 6N); it has no count for the CPU's fused attention
+    kernel, so the attention term is counted on the same shapes written out as two matmuls."""
+    cfg = lab02.parse_config([])
+    model = lab02.build_model(cfg)
+    model.init_weights(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens).sum().backward()
+    matmuls = counter.get_total_flops()
+    head_dim = cfg.dim // cfg.num_heads
+    q, k, v = (torch.randn(2, cfg.num_heads, cfg.seq_len, head_dim, requires_grad=True)
+               for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        (torch.softmax(q @ k.transpose(-2, -1), -1) @ v).sum().backward()
+    attention = counter.get_total_flops() * cfg.num_layers
+    assert matmuls + attention == lab02.flops_per_token(cfg, cfg.seq_len) * tokens.numel()
+
+
+def test_mfu_is_measured_against_a_labelled_peak(lab02):
+    peak, source = lab02.device_peak_flops(torch.device("cpu"), None)
+    assert peak > 1e8 and source.startswith("measured here: fp32 512x512 matmul")
+    key, spec = lab02.gpu_spec_for("NVIDIA H100 80GB HBM3")
+    assert key == "H100-80GB" and spec["peak_flops"] == 989e12
+    assert lab02.gpu_spec_for("NVIDIA H100 PCIe")[0] == "H100-PCIe-80GB"
+    assert lab02.gpu_spec_for("Tesla V100-SXM2-32GB")[1]["bf16"] is False
+    assert lab02.gpu_spec_for("Some Future GPU") == (None, None)  # no guess

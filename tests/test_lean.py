@@ -1,0 +1,91 @@
+"""Lean copies (`make lean`, tools/lean.py): each lab without its teaching and drill code.
+
+A lean copy, alone in an empty folder with only torch, trains at 2 ranks with losses equal to
+the full lab's bit for bit, checkpoints and resumes; its --help has no parity, drill or probe
+flag, and its source none of their code."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launcher import LABS, PYTHON, REPO, run, run_lab, torchrun_cmd
+
+sys.path.insert(0, str(REPO / "tools"))
+import lean  # noqa: E402
+
+LAB_PATHS = sorted(LABS.glob("lab[0-9][0-9]_*.py"))
+TEACHING_FLAGS = ["--check-parity", "--parity-tol", "--fail-at-step", "--fail-rank",
+                  "--crash-in-checkpoint", "--stall-at-step", "--count-comms", "--parity-dtype",
+                  "--timeline"]
+TEACHING_CODE = ["maybe_inject_failure", "maybe_stall", "maybe_crash_mid_checkpoint",
+                 "train_reference", "check_parity", "inspect_", "CommDebugMode",
+                 "SavedActivation", "measure_state_bytes", "Timeline", "bubble_formula",
+                 "analyse_timeline", "# lean:"]
+STEPS = ["--steps", "24", "--log-every", "8"]
+
+
+def lean_copy(lab_path, folder):
+    folder.mkdir()
+    target = folder / lab_path.name
+    target.write_text(lean.lean_source(lab_path.read_text(), lab_path.stem))
+    return target
+
+
+@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
+def test_a_lean_copy_holds_no_teaching_or_drill_code(lab_path, tmp_path):
+    copy = lean_copy(lab_path, tmp_path / "alone")
+    helptext = subprocess.run([PYTHON, str(copy), "--help"], capture_output=True, text=True,
+                              timeout=60, cwd=copy.parent, check=True).stdout
+    source = copy.read_text()
+    full_help = subprocess.run([PYTHON, str(lab_path), "--help"], capture_output=True,
+                               text=True, timeout=60, check=True).stdout
+    assert "--check-parity" in full_help  # the full lab has them
+    for flag in TEACHING_FLAGS:
+        assert flag not in helptext and f'"{flag}"' not in source, flag
+    for name in TEACHING_CODE:
+        assert name not in source, name
+    assert "Lean copy of labs/" in source.splitlines()[2]
+    assert len(source.splitlines()) < len(lab_path.read_text().splitlines())
+
+
+def losses(metrics_path):
+    return json.loads(metrics_path.read_text())["losses"]
+
+
+@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
+def test_a_lean_copy_alone_trains_like_the_full_lab_and_resumes(lab_path, tmp_path):
+    copy = lean_copy(lab_path, tmp_path / "alone")
+    _, full = run_lab(lab_path.stem, 2, STEPS, tmp_path)
+
+    def lean_run(*args):
+        out = copy.parent / f"metrics-{len(list(copy.parent.glob('metrics-*')))}.json"
+        proc = run(torchrun_cmd(copy, 2, [*STEPS, *args, "--metrics-out", str(out)]),
+                   cwd=copy.parent, timeout=240)
+        return proc, losses(out)
+
+    _, straight = lean_run()
+    assert straight == full["losses"]  # bit for bit: the same training, less code
+    ckpt = copy.parent / "ckpt"
+    lean_run("--checkpoint-dir", str(ckpt), "--stop-at-step", "12")
+    proc, resumed = lean_run("--checkpoint-dir", str(ckpt))
+    assert "resumed from" in proc.stdout
+    assert resumed == straight[12:]
+
+
+def test_unbalanced_markers_are_an_error():
+    with pytest.raises(ValueError, match="never closed"):
+        lean.strip_marked("x = 1\n# lean: begin probes\ny = 2\n")
+    with pytest.raises(ValueError, match="without a begin"):
+        lean.strip_marked("x = 1\n# lean: end\n")
+    assert lean.strip_marked("a = 1\nb = 2  # lean: drop\n# lean: begin x\nc\n# lean: end\nd\n") \
+        == "a = 1\nd\n"
+
+
+def test_make_lean_writes_every_lab(tmp_path):
+    proc = subprocess.run(["make", "-s", "lean", f"PY={PYTHON}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for lab_path in LAB_PATHS:
+        assert f"{lab_path.name}: " in proc.stdout and (REPO / "build" / "lean" / lab_path.name).exists()
