@@ -18,6 +18,9 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "labs"))
 import lab02_fsdp as lab  # noqa: E402
 
+# The lab's loss scaler, disabled: these measurements run in fp32 or bf16, which need none.
+FP32 = lab.make_grad_scaler(None, torch.device("cpu"))
+
 
 def _toy_problem(rank, world_size, steps):
     """A (6, 4) weight, one global batch of 4 samples per rank, the same on every rank."""
@@ -94,10 +97,11 @@ def measure_strategies(rank, world_size, names=tuple(STRATEGY_ARGS)):
         args = STRATEGY_ARGS[name]
         cfg = lab.parse_config([*args, "--steps", "1"])
         torch.manual_seed(cfg.seed)
-        model, optimizer, mesh, layout = lab.build(cfg, world_size, device)
+        model, optimizer, mesh = lab.build(cfg, world_size, device)
+        layout = lab.inspect_fsdp(model, mesh, cfg) if mesh else None
         probe = {}
         batches = lab.micro_batches(cfg, rank, world_size, 0)
-        lab.train_step(model, optimizer, batches, cfg, device, None, probe)
+        lab.train_step(model, optimizer, FP32, batches, cfg, device, None, probe)
         probe["layout"] = layout and layout["layers.0.attention.wq.weight"]
         results[name] = probe
         del model, optimizer
@@ -115,13 +119,13 @@ def fsdp_step_trace(rank, world_size):
 
     cfg = lab.parse_config(["--steps", "1"])
     torch.manual_seed(cfg.seed)
-    model, optimizer, mesh, _ = lab.build(cfg, world_size, torch.device("cpu"))
+    model, optimizer, mesh = lab.build(cfg, world_size, torch.device("cpu"))
     batches = lab.micro_batches(cfg, rank, world_size, 0)
-    lab.train_step(model, optimizer, batches, cfg, torch.device("cpu"), None, None)  # warm-up
+    lab.train_step(model, optimizer, FP32, batches, cfg, torch.device("cpu"), None)  # warm-up
     counter = lab03.CommCounter({"dp": mesh.get_group(), "world": dist.group.WORLD})
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with counter:
-            lab.train_step(model, optimizer, batches, cfg, torch.device("cpu"), None, None)
+            lab.train_step(model, optimizer, FP32, batches, cfg, torch.device("cpu"), None)
     events = [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
               if e.name.startswith("FSDP::") or e.name.startswith("gloo:")]
     t0 = min(start for _, start, _ in events)
@@ -156,26 +160,26 @@ def flag_matrix_row(rank, world_size, label, timed_steps=5):
     device = torch.device("cpu")
     cfg = lab.parse_config([*FLAG_ROWS.get(label, label.split()), "--steps", "1"])
     torch.manual_seed(cfg.seed)
-    model, optimizer, mesh, _ = lab.build(cfg, world_size, device)
-    amp = torch.bfloat16 if lab.resolve_amp(cfg, "cpu") == "bf16" else None
+    model, optimizer, mesh = lab.build(cfg, world_size, device)
+    amp = lab.compute_dtype(cfg, "cpu")
     batches = lab.micro_batches(cfg, rank, world_size, 0)
     seen = {}
     hook = model.layers["0"].feed_forward.w1.register_forward_hook(
         lambda mod, args, out: seen.update(weight=str(mod.weight.dtype)[6:],
                                            activation=str(out.dtype)[6:]))
     t0 = time.perf_counter()
-    lab.train_step(model, optimizer, batches, cfg, device, amp, None)  # compiles, if asked
+    lab.train_step(model, optimizer, FP32, batches, cfg, device, amp)  # compiles, if asked
     first_s = time.perf_counter() - t0
     hook.remove()
     groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
     counter = lab03.CommCounter({**groups, "world": dist.group.WORLD})
     saved, probe = lab03.SavedActivationBytes(model), {}
     with counter, saved:
-        lab.train_step(model, optimizer, batches, cfg, device, amp, probe)
+        lab.train_step(model, optimizer, FP32, batches, cfg, device, amp, probe)
     times = []
     for _ in range(timed_steps):
         t0 = time.perf_counter()
-        lab.train_step(model, optimizer, batches, cfg, device, amp, None)
+        lab.train_step(model, optimizer, FP32, batches, cfg, device, amp)
         times.append(time.perf_counter() - t0)
     return {"state": {k: probe[k] for k in ("params", "grads", "optimizer")},
             "wire_bytes": dict(counter.wire_bytes),

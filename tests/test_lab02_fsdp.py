@@ -233,7 +233,8 @@ def test_compile_with_bf16_mixed_precision(tmp_path):
 
 @pytest.mark.parametrize("args, world_size, flag", [
     (["--hsdp", "3"], 4, "--hsdp"),
-    (["--mixed-precision", "fp16"], 2, "--mixed-precision"),
+    (["--mixed-precision", "fp8"], 2, "--mixed-precision"),
+    (["--strategy", "ddp", "--mixed-precision", "fp16"], 2, "--mixed-precision"),
     (["--strategy", "ddp", "--cpu-offload"], 2, "--cpu-offload"),
     (["--check-parity", "--mixed-precision", "bf16"], 2, "--check-parity"),
 ])
