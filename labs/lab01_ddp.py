@@ -21,8 +21,7 @@ Lesson: lessons/01_ddp.py. Runbooks: runbooks/ (OOM, NCCL hangs, DataLoader stal
 Use it in your project:
   - Replace: `build_model()` and `init_weights()` (your model, your init), `SyntheticSequences`
     (your Dataset, still served by `micro_batches()`), `loss_fn()`, the batch unpacking in
-    `train_step()`.
-  - Test your port: `--check-parity` (fp32, no dropout) on a small config.
+    `train_step()`. `--check-parity` (fp32, no dropout) tests your port on a small config.
   - Keep: `init_distributed()` with `attempt_store()` (restarts: runbooks/restart-hang.md);
     `ResumableDistributedSampler` and the set_epoch call in `micro_batches()`
     (runbooks/dataloader-same-order-every-epoch.md); models created inside `run()` and freed
@@ -856,6 +855,8 @@ def plan_target(cfg, world_size):
         dtype = choose_precision(cfg.amp, "cuda", spec["bf16"])
         return (f"{world_size} x {cfg.gpu}", spec["memory_gb"] * 1e9, dtype, spec["peak_flops"])
     device_type = pick_device_type(cfg)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        fail_config("--gpu", "no GPU on this machine to plan for: name one, e.g. --gpu H100-80GB")
     capacity = device_capacity_bytes(device_type, min(world_size, local_world_size()) or 1)
     return (f"{world_size} x this machine's {device_type}", capacity,
             compute_dtype(cfg, device_type), None)

@@ -35,9 +35,7 @@ Use it in your project:
   - Keep: the order in `build_fsdp_model()`: meta device, fully_shard on blocks then the root,
     to_empty, fill (runbooks/oom-distributed-causes.md); `build_optimizer()` after it;
     `gradient_sync()`; DCP `save_checkpoint()` / `load_checkpoint()` (tmp dir, then rename;
-    any world size); `--mixed-precision auto` (the default): on CUDA, params gathered and
-    used in bf16 (fp16 with a GradScaler where the GPU has no bf16), fp32 shards and gradient
-    reduction; fp32 on CPU.
+    any world size); `--mixed-precision auto`: bf16 gathers on CUDA, fp32 shards and reduction.
   - Pitfalls: fully_shard replaces every parameter: an optimizer built before it trains
     nothing, silently. Sharding only the root gathers the whole model at once; one unit per
     Linear means many small collectives. dcp.save and `full_state_dict()` are collectives:
@@ -952,6 +950,8 @@ def plan_target(cfg, world_size):
         dtype = choose_precision(cfg.amp, "cuda", spec["bf16"])
         return (f"{world_size} x {cfg.gpu}", spec["memory_gb"] * 1e9, dtype, spec["peak_flops"])
     device_type = pick_device_type(cfg)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        fail_config("--gpu", "no GPU on this machine to plan for: name one, e.g. --gpu H100-80GB")
     capacity = device_capacity_bytes(device_type, min(world_size, local_world_size()) or 1)
     return (f"{world_size} x this machine's {device_type}", capacity,
             compute_dtype(cfg, device_type), None)

@@ -942,6 +942,8 @@ def plan_target(cfg, world_size):
         dtype = choose_precision(cfg.amp, "cuda", spec["bf16"])
         return (f"{world_size} x {cfg.gpu}", spec["memory_gb"] * 1e9, dtype, spec["peak_flops"])
     device_type = pick_device_type(cfg)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        fail_config("--gpu", "no GPU on this machine to plan for: name one, e.g. --gpu H100-80GB")
     capacity = device_capacity_bytes(device_type, min(world_size, local_world_size()) or 1)
     return (f"{world_size} x this machine's {device_type}", capacity,
             compute_dtype(cfg, device_type), None)

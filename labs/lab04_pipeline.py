@@ -43,8 +43,8 @@ Use it in your project:
     only); `SyntheticSequences`.
   - Keep: `stage_ids_for_rank()`; the ("pp", "dp") mesh of `build_pipeline()` (stages across
     nodes, sends on "pp" only); `train_step()`: inputs to the first stage, target and losses
-    to the last, the loss left on the device for the next sync point; `clip_grad_norm()` across stages;
-    checkpoints keyed by whole-model names (any pp or dp).
+    to the last, the loss left on the device until a sync point; `clip_grad_norm()` across
+    stages; checkpoints keyed by whole-model names (any pp or dp).
   - Pitfalls: stages split `--num-layers` evenly, but the first and last also hold embedding
     and output: balance by cost. Bubble (pp-1)/(m+pp-1) for GPipe and 1F1B
     (`bubble_formula()`): more `--microbatches` shrink it, but GPipe keeps all m in memory
@@ -1028,6 +1028,8 @@ def plan_target(cfg, world_size):
         dtype = choose_precision(cfg.amp, "cuda", spec["bf16"])
         return (f"{world_size} x {cfg.gpu}", spec["memory_gb"] * 1e9, dtype, spec["peak_flops"])
     device_type = pick_device_type(cfg)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        fail_config("--gpu", "no GPU on this machine to plan for: name one, e.g. --gpu H100-80GB")
     capacity = device_capacity_bytes(device_type, min(world_size, local_world_size()) or 1)
     return (f"{world_size} x this machine's {device_type}", capacity,
             compute_dtype(cfg, device_type), None)

@@ -436,7 +436,9 @@ assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
 #   reduce_dtype=float32)`: FSDP casts each shard to bf16 *before* the all-gather, so the
 #   gathers carry half the bytes and the block computes in bf16; gradients are still
 #   reduce-scattered in fp32, and the sharded parameters and AdamW state stay fp32. It needs no
-#   autocast: the parameters themselves are bf16 inside forward and backward.
+#   autocast: the parameters themselves are bf16 inside forward and backward. On a GPU this is
+#   the lab's default (`--mixed-precision auto` follows `--amp`: bf16 where the GPU has it,
+#   fp16 with a GradScaler where it does not); on CPU the default stays fp32, for parity.
 # - **`--activation-checkpointing`** keeps only each block's input and recomputes the rest in
 #   backward: the saved bytes fell by about 9x in the run that built this page (asserted:
 #   more than 5x), for one extra forward of each block. The

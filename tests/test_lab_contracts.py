@@ -44,3 +44,19 @@ def test_course_runner_prints_the_summary_line_not_a_later_warning(tmp_path):
     assert course.summary_of(log) == "done | lab03_tp_fsdp | gloo x2 | 40 steps | loss 0.46"
     log.write_text("Traceback ...\n")
     assert course.summary_of(log).startswith("(no summary line")
+
+
+def test_course_summary_reports_mfu_against_its_peak():
+    import course
+
+    row = {"lab": "lab01_ddp", "backend": "gloo", "world_size": 2, "steps": 40,
+           "final_loss": 0.46, "parity_max_abs_diff": 0.0, "parity_tol": 1e-5,
+           "tokens_per_s": 50000.0, "peak_mem_bytes_per_rank": [2**30, 2**30],
+           "wall_time_s": 1.2, "mfu": 0.198,
+           "peak_source": "measured here: fp32 512x512 matmul on 1 thread(s) per rank"}
+    gpu = {**row, "mfu": 0.412, "peak_source": "H100-80GB datasheet, bf16 dense"}
+    unknown = {**row, "mfu": None, "peak_source": "no GPU_SPECS entry for X"}
+    table = course.summary_table([row, gpu, unknown])
+    assert "| MFU " in table.splitlines()[0]
+    assert "19.8% of CPU matmul peak" in table and "41.2% of H100-80GB datasheet" in table
+    assert "n/a (no GPU_SPECS entry for X)" in table

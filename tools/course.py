@@ -78,8 +78,17 @@ def gib(num_bytes):
     return f"{num_bytes / 2**30:.2f}"
 
 
+def mfu_cell(metrics):
+    """MFU and what it is measured against: the CPU's own matmul peak, or a GPU datasheet."""
+    if metrics.get("mfu") is None:
+        return f"n/a ({metrics.get('peak_source', 'no peak')})"
+    source = metrics["peak_source"]
+    against = "CPU matmul peak" if source.startswith("measured") else source.split(",")[0]
+    return f"{metrics['mfu']:.1%} of {against}"
+
+
 def summary_table(results):
-    header = ["lab", "backend", "world", "steps", "final loss", "parity", "tok/s",
+    header = ["lab", "backend", "world", "steps", "final loss", "parity", "tok/s", "MFU",
               "peak mem/rank GiB", "wall s"]
     rows = []
     for m in results:
@@ -88,7 +97,7 @@ def summary_table(results):
         rows.append([m["lab"], m["backend"], str(m["world_size"]), str(m["steps"]),
                      f"{m['final_loss']:.4f}",
                      "n/a" if parity is None else f"{parity:.1e} (<= {m['parity_tol']:.0e})",
-                     f"{m['tokens_per_s']:.0f}", f"{gib(min(peaks))}-{gib(max(peaks))}",
+                     f"{m['tokens_per_s']:.0f}", mfu_cell(m), f"{gib(min(peaks))}-{gib(max(peaks))}",
                      f"{m['wall_time_s']:.1f}"])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = lambda row: " | ".join(c.ljust(w) for c, w in zip(row, widths))  # noqa: E731

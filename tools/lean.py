@@ -70,6 +70,24 @@ def items(paragraph, starts_item):
     return grouped
 
 
+def without_sentences(bullet, removed_flags, width=96):
+    """A "  - Label: text" bullet without its sentences that name a removed flag or function,
+    re-wrapped; [] when nothing is left."""
+    text = " ".join(line.strip() for line in bullet)[2:]  # drop the "- "
+    label, _, body = text.partition(": ")
+    sentences = re.split(r"(?<=[.;])\s+(?=[A-Z`(])", body)
+    body = " ".join(s for s in sentences if not mentions(s, removed_flags))
+    if not body:
+        return []
+    lines, line = [], f"  - {label}:"
+    for word in body.split():
+        if len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = "   "
+        line += " " + word
+    return lines + [line]
+
+
 def lean_docstring(docstring, removed_flags, lab_name):
     """The title, where the copy comes from, then the full lab's launch commands and its
     "Use it in your project" bullets, without the commands and bullets that use a removed
@@ -86,10 +104,11 @@ def lean_docstring(docstring, removed_flags, lab_name):
             groups = items(paragraph[1:], lambda line, prev: not prev.endswith("\\"))
         elif paragraph[0].startswith("Use it in your project"):
             groups = items(paragraph[1:], lambda line, prev: line.lstrip().startswith("- "))
+            groups = [without_sentences(group, removed_flags) for group in groups]
         else:
             continue
         kept.append([paragraph[0]] + [line for group in groups
-                                      if not mentions("\n".join(group), removed_flags)
+                                      if group and not mentions("\n".join(group), removed_flags)
                                       for line in group])
     return "\n\n".join("\n".join(p) for p in kept) + "\n"
 
