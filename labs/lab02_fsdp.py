@@ -1115,6 +1115,11 @@ class StepLog:
         self.pending, self.data_s, self.window_start = [], 0.0, time.perf_counter()
         return stops > 0
 
+    def restart_window(self):
+        """After a checkpoint: its time is not training time. Called at a sync point, so no
+        device work is pending."""
+        self.window_start = time.perf_counter()
+
     def log(self, tokens_per_step, device):
         window = self.windows[-1]
         step_s = window["seconds"] / window["steps"]
@@ -1147,6 +1152,7 @@ def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                                    or step == last_step or preempted):
             save_fn(step)
+            log.restart_window()
         if preempted:
             if rank == 0:
                 print(f"preempted: checkpoint at step {step} written, exiting "
