@@ -429,7 +429,8 @@ assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
 # %% [markdown]
 # What the table says, row by row:
 #
-# - **`--amp bf16`** is autocast (as in lab01): the weights stay fp32 in forward and each
+# - **`--amp bf16`** (run with `--mixed-precision fp32`, because the policy's default, `auto`,
+#   follows `--amp`) is autocast alone, as in lab01: the weights stay fp32 in forward and each
 #   matmul casts its inputs to bf16, so the *activations* are bf16 (fewer saved bytes), while
 #   FSDP still all-gathers fp32 weights: no fewer bytes on the wire.
 # - **`--mixed-precision bf16`** is FSDP's own `MixedPrecisionPolicy(param_dtype=bfloat16,

@@ -141,7 +141,8 @@ def fsdp_step_trace(rank, world_size):
 # The flags a lab02 user reaches for, one row each (lesson 02's table).
 FLAG_ROWS = {
     "fp32 (default)": [],
-    "--amp bf16": ["--amp", "bf16"],
+    # --mixed-precision auto follows --amp: fp32 here keeps this row autocast alone.
+    "--amp bf16": ["--amp", "bf16", "--mixed-precision", "fp32"],
     "--mixed-precision bf16": ["--mixed-precision", "bf16"],
     "--activation-checkpointing": ["--activation-checkpointing"],
     "--cpu-offload": ["--cpu-offload"],

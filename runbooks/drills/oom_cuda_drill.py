@@ -29,9 +29,12 @@ MiB = 2**20
 
 
 def model_cfg(**overrides):
-    cfg = dict(batch_size=16, seq_len=32, dim=64, num_layers=2, num_heads=4, vocab_size=64,
-               seed=0, lr=3e-3)
-    return argparse.Namespace(**{**cfg, **overrides})
+    cfg = {**dict(batch_size=16, seq_len=32, dim=64, num_layers=2, num_heads=4, vocab_size=64,
+                  seed=0, lr=3e-3, rope_theta=1e4), **overrides}
+    # lab01's debug model: no grouped-query attention, SwiGLU width 4 x dim (the ledger's count)
+    cfg.setdefault("num_kv_heads", cfg["num_heads"])
+    cfg.setdefault("ffn_dim", 4 * cfg["dim"])
+    return argparse.Namespace(**cfg)
 
 
 def train_steps(cfg, device, batch, seq_len, steps):

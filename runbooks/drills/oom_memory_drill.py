@@ -448,6 +448,9 @@ def parse_args(argv=None):
     if cfg.dim % cfg.num_heads or (cfg.dim // cfg.num_heads) % 2:
         parser.error("--dim must split into --num-heads even-sized heads")
     cfg.seed, cfg.lr = 0, 3e-3
+    # The rest of lab01's model config, as its debug preset has it: no grouped-query attention,
+    # a SwiGLU width of 4 x dim (what activation_ledger counts), RoPE base 10000.
+    cfg.num_kv_heads, cfg.ffn_dim, cfg.rope_theta = cfg.num_heads, 4 * cfg.dim, 1e4
     return cfg
 
 
