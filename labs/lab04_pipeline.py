@@ -1198,12 +1198,12 @@ class StepLog:
         device work is pending."""
         self.window_start = time.perf_counter()
 
-    def log(self, tokens_per_step, device):
+    def log(self, tokens_per_step):
         window = self.windows[-1]
         step_s = window["seconds"] / window["steps"]
         return log_line(window["last_step"], self.losses[-1][1], step_s,
                         tokens_per_step / step_s, window["data_s"] / window["seconds"],
-                        peak_memory_bytes(device))
+                        peak_memory_bytes(self.device))
 
     def steady_tokens_per_s(self, tokens_per_step):
         """Throughput after the first step (compile, allocator warm-up, lazy init)."""
@@ -1226,7 +1226,7 @@ def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
         loss, data_s = step_fn(step)
         preempted = log.add(step, loss, data_s, preemption)
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
-            print(log.log(tokens_per_step, device), flush=True)
+            print(log.log(tokens_per_step), flush=True)
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                                    or step == last_step or preempted):
             save_fn(step)

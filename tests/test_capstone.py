@@ -39,25 +39,25 @@ def test_the_reference_ports_pass(port):
     assert "verdict: PASS" in out
 
 
-def wrong_port(tmp_path, edits):
+def grade_edited(tmp_path, edits):
+    """Grade the reference port with `edits` applied: (exit status, output)."""
     source = REFERENCE.read_text()
     for old, new in edits:
         assert old in source, old  # the edit still applies to the reference
         source = source.replace(old, new)
     # Next to the reference, so its import of capstone/train_plain.py resolves the same way.
-    path = REFERENCE.with_name(f"_wrong_{tmp_path.name}.py")
-    path.write_text(source)
-    return path
+    port = REFERENCE.with_name(f"_wrong_{tmp_path.name}.py")
+    port.write_text(source)
+    try:
+        return grade(port)
+    finally:
+        port.unlink()
 
 
 @pytest.mark.parametrize("name", list(WRONG_PORTS))
 def test_a_typical_wrong_port_fails_with_its_diagnosis(name, tmp_path):
     edits, check, diagnosis = WRONG_PORTS[name]
-    port = wrong_port(tmp_path, edits)
-    try:
-        returncode, out = grade(port)
-    finally:
-        port.unlink()
+    returncode, out = grade_edited(tmp_path, edits)
     assert returncode == 1, out
     line = next(l for l in out.splitlines() if l.split()[1:2] == [check])
     assert line.startswith("FAIL") and diagnosis in line, out
@@ -71,11 +71,7 @@ def test_a_dcp_checkpoint_is_accepted(tmp_path):
               "    import torch.distributed.checkpoint as dcp\n"
               "    dcp.save(get_model_state_dict(model), checkpoint_id=Path(args.out) / \"checkpoint\")\n"),
              ("        torch.save(state, out / \"checkpoint.pt\")\n", "")]
-    port = wrong_port(tmp_path, edits)
-    try:
-        returncode, out = grade(port)
-    finally:
-        port.unlink()
+    returncode, out = grade_edited(tmp_path, edits)
     assert returncode == 0, out
 
 
