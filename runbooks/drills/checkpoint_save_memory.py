@@ -268,6 +268,16 @@ def slow_rank0_save(args, model, rank, world_size, directory):
     return True
 
 
+def run(args, rank, world_size, directory):
+    """Build the sharded model and run the drill; the model is freed when this returns."""
+    model = build_model(args, torch.device("cpu"))
+    if args.slow_rank0_save:
+        return slow_rank0_save(args, model, rank, world_size, directory)
+    for how in args.how:
+        measure(how, model, rank, directory)
+    return True
+
+
 def main(argv=None):
     args = parse_args(argv)
     mmap_fixed = use_mmap_for_large_allocations()
@@ -291,20 +301,17 @@ def main(argv=None):
                 shutil.rmtree(directory, ignore_errors=True)
             os._exit(143)
         signal.signal(signal.SIGTERM, on_sigterm)
-    ok = True
     try:
-        model = build_model(args, torch.device("cpu"))
-        if args.slow_rank0_save:
-            ok = slow_rank0_save(args, model, rank, world_size, directory)
-        else:
-            for how in args.how:
-                measure(how, model, rank, directory)
+        ok = run(args, rank, world_size, directory)
     finally:
         if rank == 0 and made_dir:
             shutil.rmtree(directory, ignore_errors=True)
     if not ok:
         sys.stdout.flush()
         os._exit(1)  # the default group is broken after a timeout: leave without tearing down
+    # The model lived only inside run(); collect its cycles so no sharded parameter keeps the
+    # group alive past its destruction (runbooks/exit-hang.md, cause D: an abort at exit).
+    gc.collect()
     dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
 

@@ -22,6 +22,7 @@ Output: one line per configuration and rank, e.g. (2-core CPU machine, gloo):
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import socket
@@ -187,27 +188,33 @@ def describe(cfg):
             f"persistent {'yes' if cfg['persistent_workers'] else 'no ':3s}")
 
 
+def run(args, rank, world_size, device):
+    """Every --configs entry on one DDP model; the model is freed when this returns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(args.dim, 4 * args.dim), nn.GELU(),
+                          nn.Linear(4 * args.dim, args.dim), nn.GELU(),
+                          nn.Linear(args.dim, 1)).to(device)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=1e-3)
+    results = []
+    for cfg in args.configs:
+        mine = measure(cfg, args, ddp_model, optimizer, rank, world_size, device)
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, mine)
+        results.append({"config": cfg, "per_rank": per_rank})
+        if rank == 0:
+            for r, m in enumerate(per_rank):
+                print(f"{describe(cfg)} | rank {r} | step {m['step_ms']:.1f} ms | "
+                      f"data {m['data_share']:.0%} | epoch start {m['epoch_start_ms']:.0f} ms",
+                      flush=True)
+    return results
+
+
 def main(argv=None):
     args = parse_args(argv)
     rank, world_size, device = init_distributed(args.timeout_s)
     try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(args.dim, 4 * args.dim), nn.GELU(),
-                              nn.Linear(4 * args.dim, args.dim), nn.GELU(),
-                              nn.Linear(args.dim, 1)).to(device)
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        optimizer = torch.optim.SGD(ddp_model.parameters(), lr=1e-3)
-        results = []
-        for cfg in args.configs:
-            mine = measure(cfg, args, ddp_model, optimizer, rank, world_size, device)
-            per_rank = [None] * world_size
-            dist.all_gather_object(per_rank, mine)
-            results.append({"config": cfg, "per_rank": per_rank})
-            if rank == 0:
-                for r, m in enumerate(per_rank):
-                    print(f"{describe(cfg)} | rank {r} | step {m['step_ms']:.1f} ms | "
-                          f"data {m['data_share']:.0%} | epoch start {m['epoch_start_ms']:.0f} ms",
-                          flush=True)
+        results = run(args, rank, world_size, device)
         if rank == 0 and args.json_out:
             payload = {"world_size": world_size, "args": {k: v for k, v in vars(args).items()
                                                           if k != "configs"}, "results": results}
@@ -215,6 +222,9 @@ def main(argv=None):
                 json.dump(payload, f, indent=2)
             os.replace(args.json_out + ".tmp", args.json_out)
     finally:
+        # The DDP model lived only inside run(); collect its cycles before the group goes, or
+        # its Reducer can abort the exit (runbooks/exit-hang.md, cause D).
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -26,6 +26,7 @@ Output: one line per measurement, e.g.
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import socket
@@ -537,6 +538,7 @@ def main(argv=None):
                 Path(cfg.out).write_text(json.dumps(results, indent=2))
         dist.barrier()
     finally:
+        gc.collect()  # the sharded models lived inside run_all(): free them before the group
         dist.destroy_process_group()
 
 
