@@ -98,7 +98,8 @@ def add_common_args(parser):
     arg("--steps", type=int, default=40, help="optimizer steps in total")
     arg("--model", choices=list(MODEL_PRESETS), default="debug",
         help="Llama-shaped size preset (MODEL_PRESETS): debug (the CPU default), small, 1b "
-             "(Llama-3.2-1B's shape), 8b (Llama-3.1-8B's); the flags below override its fields")
+             "(Llama-3.2-1B's shape), 8b (Llama-3.1-8B's), 70b (Llama-3.1-70B's); the flags "
+             "below override its fields")
     arg("--micro-batch-size", type=int, default=None,
         help="sequences per data-parallel rank per micro-step (default: the preset's); sets "
              "the default --batch-size")
@@ -479,8 +480,9 @@ def init_mesh(device_type, mesh_shape, mesh_dim_names, timeout):
 # --8<-- [start:model]
 # Llama-shaped sizes. debug is what every test and lesson trains (a CPU step in milliseconds).
 # 1b has Llama-3.2-1B's shape but an untied output layer (1.50B parameters, not 1.24B); 8b has
-# Llama-3.1-8B's dimensions (8.03B). Fields left as None follow from the others: num_kv_heads
-# = num_heads (no grouped-query attention), ffn_dim = 4 x dim.
+# Llama-3.1-8B's dimensions (8.03B) and 70b Llama-3.1-70B's (70.55B, for --plan). Fields left
+# as None follow from the others: num_kv_heads = num_heads (no grouped-query attention),
+# ffn_dim = 4 x dim.
 MODEL_PRESETS = {
     "debug": dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=None, ffn_dim=None,
                   vocab_size=64, seq_len=32, micro_batch_size=8, rope_theta=1e4),
@@ -490,6 +492,8 @@ MODEL_PRESETS = {
                vocab_size=128256, seq_len=2048, micro_batch_size=4, rope_theta=5e5),
     "8b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
                vocab_size=128256, seq_len=8192, micro_batch_size=1, rope_theta=5e5),
+    "70b": dict(dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672,
+                vocab_size=128256, seq_len=8192, micro_batch_size=1, rope_theta=5e5),
 }
 
 

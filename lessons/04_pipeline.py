@@ -354,7 +354,8 @@ plt.show()
 # `torchrun --nproc-per-node 4 labs/lab04_pipeline.py --dp 2 --check-parity` and checks it
 # against the same single-process reference. Large jobs add tensor parallelism inside each
 # stage: a 3-D mesh `("pp", "dp", "tp")` with TP innermost on the fastest links (inside a
-# node), PP outermost across nodes, FSDP in between (lesson 03 covers TP).
+# node), PP outermost across nodes, FSDP in between. Lesson 05 builds it, on 8 processes, with
+# [lab 05](../labs/lab05_3d.md).
 #
 # ## When to choose it
 #

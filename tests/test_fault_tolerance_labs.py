@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from launcher import LABS, PYTHON, free_port, preempt_lab, run, run_lab
 
-LABS_WITH_DCP = ["lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline"]
+LABS_WITH_DCP = ["lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline", "lab05_3d"]
 ARGS = ["--steps", "8"]
 PREEMPTED_EXIT_CODE = 75
 

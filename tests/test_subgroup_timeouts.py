@@ -68,6 +68,7 @@ STALLED_LAYOUTS = {
     "lab02_fsdp": ["--hsdp", "2"],          # (dp_replicate, dp_shard) = (2, 2)
     "lab03_tp_fsdp": ["--tp", "2"],         # (dp, tp) = (2, 2)
     "lab04_pipeline": ["--dp", "2"],        # (dp, pp) = (2, 2)
+    "lab05_3d": ["--pp", "1", "--dp", "2", "--tp", "2"],  # (pp, dp, tp) = (1, 2, 2)
 }
 
 

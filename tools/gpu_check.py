@@ -42,7 +42,7 @@ import verified  # tools/verified.py: where the results go and how pages read th
 ROOT = Path(__file__).resolve().parents[1]
 LABS_DIR = ROOT / "labs"
 PYTHON = sys.executable
-LABS = ("lab01_ddp", "lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline")
+LABS = ("lab01_ddp", "lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline", "lab05_3d")
 NO_GPU = ("gpu-check: no CUDA GPU visible (torch.cuda.is_available() is False): nothing to "
           "check; run it on a GPU machine")
 PIPELINE_SKIP = "the pipeline lab needs >= 2 GPUs"

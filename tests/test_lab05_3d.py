@@ -1,0 +1,142 @@
+"""lab05: pipeline x FSDP x tensor parallel on one ("pp", "dp", "tp") mesh.
+
+Parity with one process at 8 gloo ranks on three layouts (and a fourth schedule), every
+parameter, the step-1 gradients and every loss within 1e-5; the per-rank layout lines; a DCP
+checkpoint resharded across three layouts (2 x 2 x 2, then 1 x 2 x 4, then one process)
+whose losses continue the uninterrupted run's; bad layouts refused before any process group.
+"""
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+from launcher import LABS, PYTHON, REPO, run, run_lab
+
+TOL = 1e-5
+LAB = "lab05_3d"
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The default layout, pp 2 x dp 2 x tp 2, with parity, logging every step."""
+    tmp = tmp_path_factory.mktemp("lab05-default")
+    return run_lab(LAB, 8, ["--check-parity", "--log-every", "1"], tmp, timeout=300)
+
+
+def assert_parity(metrics):
+    assert metrics["parity_max_abs_diff"] <= TOL, metrics["parity_max_abs_diff"]
+    assert metrics["grad_parity_max_abs_diff"] <= TOL, metrics["grad_parity_max_abs_diff"]
+    assert metrics["loss_parity_max_abs_diff"] <= TOL, metrics["loss_parity_max_abs_diff"]
+    assert len(metrics["reference_losses"]) == metrics["steps"]
+
+
+def test_the_automatic_layout():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(LAB, LABS / f"{LAB}.py")
+    lab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab)
+    assert [lab.auto_layout(n) for n in (1, 2, 3, 4, 8, 16)] == [
+        (1, 1, 1), (1, 1, 2), (1, 3, 1), (2, 1, 2), (2, 2, 2), (2, 4, 2)]
+
+
+def test_2x2x2_matches_one_process(default_run):
+    proc, metrics = default_run
+    assert (metrics["pp_size"], metrics["dp_size"], metrics["tp_size"]) == (2, 2, 2)
+    assert metrics["world_size"] == 8 and metrics["steps"] == 20
+    assert_parity(metrics)
+    assert metrics["losses"][-1][1] < metrics["losses"][0][1] - 2  # it learns
+
+
+def test_every_rank_says_where_it_sits_and_what_it_holds(default_run):
+    proc, _ = default_run
+    lines = re.findall(r"^rank (\d) \| pp (\d) dp (\d) tp (\d) \| (.*)$", proc.stdout, re.M)
+    assert sorted(int(r) for r, *_ in lines) == list(range(8))
+    for rank, pp, dp, tp, held in lines:
+        # Rank r sits at arange(8).view(2, 2, 2)[pp, dp, tp]: tp innermost.
+        assert int(rank) == 4 * int(pp) + 2 * int(dp) + int(tp)
+        if pp == "0":
+            assert "stage 0 (layers 0,1 + tok_embeddings)" in held, held
+        else:
+            assert "stage 1 (layers 2,3 + output)" in held, held
+        # wq (64, 64): heads split over tp (64 -> 32 rows), then FSDP over dp (32 -> 16).
+        assert "wq (64, 64) held as (16, 64)" in held, held
+
+
+def test_interleaved_on_4x1x2_with_clipping_matches_one_process(tmp_path):
+    """8 stages on 4 pp ranks (Interleaved1F1B), TP pairs, no FSDP. A tight --clip makes
+    clipping act every step, so a gradient norm that counted the norms' tp copies twice would
+    break parity."""
+    _, metrics = run_lab(LAB, 8, ["--pp", "4", "--dp", "1", "--tp", "2", "--schedule",
+                                  "Interleaved1F1B", "--clip", "0.05", "--check-parity",
+                                  "--steps", "6"], tmp_path, timeout=300)
+    assert (metrics["pp_size"], metrics["stages_per_rank"]) == (4, 2)
+    assert_parity(metrics)
+
+
+def test_a_checkpoint_reshards_across_three_layouts(default_run, tmp_path):
+    """Save at step 8 on 2 x 2 x 2, continue to 14 on 1 x 2 x 4, finish on one process: the
+    losses are the uninterrupted 2 x 2 x 2 run's within 1e-5, and each resumed leg's own
+    parity check (a single-process run from step 0) passes, so 1 x 2 x 4 and 1 x 1 x 1 train
+    the same model too."""
+    _, straight = default_run
+    ckpt = tmp_path / "ckpt"
+    common = ["--log-every", "1", "--checkpoint-dir", ckpt, "--check-parity"]
+    _, first = run_lab(LAB, 8, [*common, "--stop-at-step", "8"], tmp_path, timeout=300)
+    proc, second = run_lab(LAB, 8, [*common, "--pp", "1", "--dp", "2", "--tp", "4",
+                                    "--stop-at-step", "14"], tmp_path, timeout=300)
+    assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
+    assert (second["pp_size"], second["dp_size"], second["tp_size"]) == (1, 2, 4)
+    proc, third = run_lab(LAB, 0, common, tmp_path, timeout=300)
+    assert "at step 14" in proc.stdout and "gloo x1" in proc.stdout
+    assert (third["pp_size"], third["dp_size"], third["tp_size"]) == (1, 1, 1)
+    for leg in (first, second, third):
+        assert leg["parity_max_abs_diff"] <= TOL and leg["loss_parity_max_abs_diff"] <= TOL
+    resumed = first["losses"] + second["losses"] + third["losses"]
+    assert [s for s, _ in resumed] == list(range(1, 21))
+    worst = max(abs(a - b) for (_, a), (_, b) in zip(resumed, straight["losses"]))
+    assert worst <= TOL, worst
+
+
+def plain(args, world_size):
+    """The lab as one of `world_size` ranks, as torchrun would start it: its checks run, and
+    it must exit before it starts any process group."""
+    env = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+    return subprocess.run([PYTHON, str(LABS / f"{LAB}.py"), *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env=env)
+
+
+@pytest.mark.parametrize("args, world_size, flag, says", [
+    (["--pp", "2", "--dp", "2", "--tp", "2"], 4, "--pp/--dp/--tp",
+     "2 x 2 x 2 = 8 ranks, but the world size is 4"),
+    (["--pp", "2", "--dp", "2", "--tp", "1"], 8, "--pp/--dp/--tp", "= 4 ranks"),
+    (["--pp", "0", "--dp", "2", "--tp", "2"], 8, "--pp", "must be > 0"),
+    (["--tp", "2"], 8, "--pp", "give all three"),
+    (["--pp", "1", "--dp", "1", "--tp", "8"], 8, "--num-heads", "4 must divide by --tp 8"),
+    (["--pp", "2", "--dp", "2", "--tp", "2", "--vocab-size", "65"], 8, "--vocab-size",
+     "65 must divide by --tp 2"),
+    (["--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch-size", "40"], 8,
+     "--microbatches", "and 5 does not divide by 2"),
+    (["--num-layers", "3"], 8, "--num-layers", "must split evenly"),
+])
+def test_a_bad_layout_is_one_line_and_exit_2(args, world_size, flag, says):
+    proc = plain(args, world_size)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"error: {flag}" in lines[0] and says in lines[0], proc.stderr
+
+
+def test_a_70b_plan_divides_the_state_by_dp_x_tp_and_starts_nothing():
+    """70.55B parameters over pp 4 x dp 2 x tp 8: the first stage's 20 blocks, embedding and
+    output (the busiest rank), sharded 16 ways over dp x tp."""
+    proc = plain(["--plan", "--model", "70b", "--nproc", "64", "--gpu", "H100-80GB",
+                  "--pp", "4", "--dp", "2", "--tp", "8", "--microbatches", "8"], 1)
+    assert proc.returncode == 0, proc.stderr
+    assert "plan | lab05_3d | 64 x H100-80GB | --model 70b: 70.55B params" in proc.stdout
+    assert "pp=4, dp=2, tp=8" in proc.stdout
+    block = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+    held = 20 * block + 2 * 128256 * 8192 + 8192
+    shown = float(re.search(r"params \(fp32\)\s+([\d.]+) GB", proc.stdout).group(1))
+    assert abs(shown - 4 * held / 16 / 1e9) < 0.005, (shown, 4 * held / 16 / 1e9)
