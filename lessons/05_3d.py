@@ -95,7 +95,7 @@ assert traffic["tp"] > 10 * traffic["dp"] and traffic["dp"] > traffic["pp"]
 
 # %% [markdown]
 # Compare with the compute of that step. One rank does 1/(pp x tp) of each microbatch's
-# FLOPs: 65,536 tokens x 481 GFLOP per token / 32 = 985 TFLOP, about 2.5 s on an H100 at 40%
+# FLOPs: 65,536 tokens x 481 GFLOP per token / 32 = 986 TFLOP, about 2.5 s on an H100 at 40%
 # of its 989 TFLOP/s bf16 peak (the datasheet figure; a well-tuned run reaches 35-45%).
 # TP's ~150 GB costs about 0.33 s on NVLink, a fraction of the compute, but 3 s on InfiniBand,
 # more than the compute: **TP stays inside a node**. FSDP's ~6.6 GB per step crosses
@@ -143,8 +143,8 @@ assert plans[64][1]["activations"] == plans[512][1]["activations"]
 assert plans[512][1]["total"] < plans[64][1]["total"] < 0.9 * 80
 
 # %% [markdown]
-# At 64 GPUs the optimizer state is a quarter of the total; at 512 it is almost gone, and what
-# is left is activations: 8 microbatches' worth would not fit at all without 1F1B, which
+# At 64 GPUs the weights, gradients and AdamW state are a third of the total; at 512 they are
+# 5% of it, and what is left is activations: 8 microbatches' worth would not fit at all without 1F1B, which
 # keeps at most `pp` of them (lesson 04). Activation checkpointing (runbooks/oom-mitigations.md)
 # is the next lever, not more GPUs.
 
