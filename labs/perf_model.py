@@ -1,0 +1,192 @@
+"""Step-time model: how long one training step should take, from compute and communication.
+
+    t_step    = t_compute + t_exposed
+    t_compute = FLOPs per step per rank / peak FLOP/s per rank
+    t_coll(S) = a + b * S          per collective of S bytes, fitted on this machine (lesson 00:
+                                   for a ring all-reduce a = 2(n-1) alpha, b = 2(n-1) / (n B))
+    t_exposed = sum of t_coll over the step's collectives, minus what overlaps compute
+
+Two bounds bracket a step: "exposed" (nothing overlaps: compute then communication) and
+"overlapped" (communication hidden behind compute, up to the compute time). A rank whose cores
+also drive the communication (gloo on CPU) sits near the exposed bound; a GPU with NCCL on its
+own stream can approach the overlapped one.
+
+The collectives per step, per strategy (n ranks, P parameter bytes in fp32 or the gather dtype):
+    ddp     one all-reduce of the gradients, in buckets of --bucket-cap-mb (25 MiB)
+    fsdp    per unit (each block, then the root): an all-gather in forward, another in
+            backward (reshard_after_forward), a reduce-scatter of its gradients
+
+Torch and stdlib only: the decision guide (tools/decision_guide.py) and lesson 06 import it.
+
+    python labs/perf_model.py --check --out build/perf_model.json
+        measures this machine (the collectives' fit, then lab01 and lab02 at 2 ranks and two
+        widths) and writes, per case, predicted_s and measured_s.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+LABS = Path(__file__).resolve().parent
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """t(S) = latency_s + seconds_per_byte * S for one collective at one world size."""
+    latency_s: float
+    seconds_per_byte: float
+
+    def seconds(self, num_bytes):
+        return self.latency_s + self.seconds_per_byte * num_bytes
+
+
+def fit_collective(rows):
+    """Least squares on t = a + b S, weighted by 1/t so small and large messages count alike
+    (lesson 00's fit). rows: [(bytes, seconds)]."""
+    # Normal equations of sum(((a + b S) / t - 1)^2), solved by hand: torch and stdlib only.
+    s11 = sum(1 / t ** 2 for _, t in rows)
+    s12 = sum(s / t ** 2 for s, t in rows)
+    s22 = sum(s * s / t ** 2 for s, t in rows)
+    r1 = sum(1 / t for _, t in rows)
+    r2 = sum(s / t for s, t in rows)
+    det = s11 * s22 - s12 * s12
+    a, b = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
+    if a <= 0 or b <= 0:
+        raise ValueError(f"fit t = a + b S gave a = {a:.3g}, b = {b:.3g}: not a latency and a "
+                         "bandwidth; measure more sizes")
+    return CollectiveFit(a, b)
+
+
+def ddp_collectives(grad_bytes, bucket_bytes=DDP_BUCKET_BYTES):
+    """[(op, bytes)] of one DDP step: the gradients all-reduced bucket by bucket."""
+    full, rest = divmod(grad_bytes, bucket_bytes)
+    return [("all_reduce", bucket_bytes)] * full + ([("all_reduce", rest)] if rest else [])
+
+
+def fsdp_collectives(unit_param_bytes, gather_bytes_per_param=4, reduce_bytes_per_param=4):
+    """[(op, bytes)] of one FSDP step, unit by unit. unit_param_bytes: fp32 bytes of each unit's
+    parameters (blocks, then the root). The all-gather's S is the gathered (output) buffer and
+    the reduce-scatter's S its input, as comm_bench measures them."""
+    out = []
+    for fp32_bytes in unit_param_bytes:
+        numel = fp32_bytes // 4
+        out += [("all_gather", numel * gather_bytes_per_param)] * 2  # forward, backward
+        out.append(("reduce_scatter", numel * reduce_bytes_per_param))
+    return out
+
+
+def predict_step(flops_per_rank, peak_flops, collectives, fits):
+    """Seconds per step: compute, the communication, and the two bounds."""
+    compute = flops_per_rank / peak_flops
+    comm = sum(fits[op].seconds(num_bytes) for op, num_bytes in collectives)
+    return {"compute_s": compute, "comm_s": comm, "exposed_s": compute + comm,
+            "overlapped_s": max(compute, comm)}
+
+
+# ---------------------------------------------------------------- --check: this machine
+def run(cmd, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True,
+                          env=env)
+
+
+def torchrun(script, nproc, args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), str(LABS / script), *map(str, args)]
+
+
+def measure_fits(nproc, folder):
+    """comm_bench at nproc ranks: one fit per collective the strategies use."""
+    out = Path(folder) / "comm.json"
+    run(torchrun("comm_bench.py", nproc, ["--ops", "all_reduce,all_gather,reduce_scatter",
+                                          "--min-bytes", "4K", "--max-bytes", "16M",
+                                          "--step-factor", "2", "--iters", "10",
+                                          "--json-out", out]))
+    rows = json.loads(out.read_text())["rows"]
+    return {op: fit_collective([(r["bytes"], r["time_us"] / 1e6) for r in rows if r["op"] == op])
+            for op in ("all_reduce", "all_gather", "reduce_scatter")}
+
+
+def measured_step_s(metrics):
+    """Mean step time after the first window (warm-up), from the lab's own StepLog windows."""
+    steady = metrics["step_windows"][1:] or metrics["step_windows"]
+    return sum(w["seconds"] for w in steady) / sum(w["steps"] for w in steady)
+
+
+def unit_param_bytes(shapes):
+    """fp32 bytes of each FSDP unit of the lab model: every block, then the root's rest."""
+    units = {}
+    for name, shape in shapes.items():
+        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        units[key] = units.get(key, 0) + 4 * math.prod(shape)
+    return [bytes_ for key, bytes_ in units.items() if key != "root"] + [units["root"]]
+
+
+def model_shapes(config):
+    """{name: shape} of the lab model a run trained, from its recorded config (lab01's shared
+    model region builds it on the meta device)."""
+    sys.path.insert(0, str(LABS))
+    import lab01_ddp
+
+    return lab01_ddp.parameter_shapes(argparse.Namespace(**config))
+
+
+def check_case(lab, dim, nproc, fits, folder):
+    heads = max(4, dim // 64)
+    metrics_path = Path(folder) / f"{lab}-{dim}.json"
+    run(torchrun(f"{lab}.py", nproc, ["--dim", dim, "--num-heads", heads, "--steps", 12,
+                                       "--log-every", 4, "--check-parity", "--amp", "off",
+                                       "--metrics-out", metrics_path]))
+    metrics = json.loads(metrics_path.read_text())
+    tokens_per_rank = metrics["config"]["batch_size"] * metrics["config"]["seq_len"] / nproc
+    flops = metrics["flops_per_token"] * tokens_per_rank
+    shapes = model_shapes(metrics["config"])
+    if lab == "lab02_fsdp":
+        collectives = fsdp_collectives(unit_param_bytes(shapes))
+    else:
+        collectives = ddp_collectives(4 * sum(math.prod(s) for s in shapes.values()))
+    predicted = predict_step(flops, metrics["peak_flops_per_rank"], collectives, fits)
+    return {"lab": lab, "dim": dim, "nproc": nproc, "measured_s": measured_step_s(metrics),
+            "predicted_s": predicted["exposed_s"], **predicted,
+            "peak_flops_per_rank": metrics["peak_flops_per_rank"], "mfu": metrics["mfu"],
+            "parity": metrics["parity_max_abs_diff"]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="measure this machine and compare the model with real steps")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks for --check")
+    parser.add_argument("--dims", default="256,512", help="model widths for --check")
+    parser.add_argument("--out", default="", help="write the --check results as JSON here")
+    args = parser.parse_args(argv)
+    if not args.check:
+        parser.print_help()
+        return 0
+    with tempfile.TemporaryDirectory() as folder:
+        fits = measure_fits(args.nproc, folder)
+        cases = [check_case(lab, int(dim), args.nproc, fits, folder)
+                 for lab in ("lab01_ddp", "lab02_fsdp") for dim in args.dims.split(",")]
+    result = {"fits": {op: vars(fit) for op, fit in fits.items()}, "cases": cases}
+    for case in cases:
+        print(f"{case['lab']:<11} dim {case['dim']:>4}: predicted {case['predicted_s'] * 1e3:7.1f} ms "
+              f"(compute {case['compute_s'] * 1e3:.1f} + comm {case['comm_s'] * 1e3:.1f}), "
+              f"measured {case['measured_s'] * 1e3:7.1f} ms, "
+              f"ratio {case['measured_s'] / case['predicted_s']:.2f}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

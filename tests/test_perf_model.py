@@ -1,0 +1,51 @@
+"""labs/perf_model.py: the step-time model's pieces, and its check against measured steps."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launcher import LABS, PYTHON, REPO
+
+sys.path.insert(0, str(LABS))
+import perf_model  # noqa: E402
+
+
+def test_the_fit_recovers_a_latency_and_a_bandwidth():
+    a, b = 80e-6, 1 / 2e9  # 80 us, 2 GB/s
+    rows = [(s, a + b * s) for s in (2 ** k for k in range(10, 25))]
+    fit = perf_model.fit_collective(rows)
+    assert fit.latency_s == pytest.approx(a, rel=1e-9)
+    assert fit.seconds_per_byte == pytest.approx(b, rel=1e-9)
+
+
+def test_a_fit_without_a_positive_latency_is_refused():
+    with pytest.raises(ValueError, match="not a latency and a bandwidth"):
+        perf_model.fit_collective([(1000, 1.0), (2000, 0.5), (4000, 0.25)])
+
+
+def test_ddp_all_reduces_in_buckets():
+    mib = 2 ** 20
+    assert perf_model.ddp_collectives(60 * mib) == [("all_reduce", 25 * mib)] * 2 + \
+        [("all_reduce", 10 * mib)]
+    assert perf_model.ddp_collectives(25 * mib) == [("all_reduce", 25 * mib)]
+
+
+def test_fsdp_gathers_twice_and_reduce_scatters_once_per_unit():
+    collectives = perf_model.fsdp_collectives([400, 800], gather_bytes_per_param=2)
+    assert collectives == [("all_gather", 200), ("all_gather", 200), ("reduce_scatter", 400),
+                           ("all_gather", 400), ("all_gather", 400), ("reduce_scatter", 800)]
+
+
+def test_the_bounds_bracket_the_step():
+    fits = {"all_reduce": perf_model.CollectiveFit(1e-3, 1e-9)}
+    step = perf_model.predict_step(2e9, 1e11, [("all_reduce", 10 ** 7)], fits)
+    assert step["compute_s"] == pytest.approx(0.02) and step["comm_s"] == pytest.approx(0.011)
+    assert step["overlapped_s"] == pytest.approx(0.02) and step["exposed_s"] == pytest.approx(0.031)
+
+
+def test_units_are_the_blocks_then_the_root():
+    shapes = {"tok_embeddings.weight": (64, 8), "layers.0.w": (8, 8), "layers.0.v": (8,),
+              "layers.1.w": (8, 8), "layers.1.v": (8,), "norm.weight": (8,), "output.weight": (64, 8)}
+    assert perf_model.unit_param_bytes(shapes) == [4 * 72, 4 * 72, 4 * (512 + 8 + 512)]
