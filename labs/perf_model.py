@@ -82,12 +82,26 @@ def fsdp_collectives(unit_param_bytes, gather_bytes_per_param=4, reduce_bytes_pe
     return out
 
 
-def predict_step(flops_per_rank, peak_flops, collectives, fits):
-    """Seconds per step: compute, the communication, and the two bounds."""
+# Passes over a parameter-sized fp32 tensor in one optimizer step, each read or write counted:
+# clip_grad_norm_ (read the grads for the norm, read and write them to scale: 3) and AdamW's
+# single-tensor loop on CPU (torch/optim/adamw.py, _single_tensor_adam: the decoupled decay
+# 2, exp_avg lerp 3, exp_avg_sq mul + addcmul 3 + 3, the denominator sqrt / add 2 + 2, the
+# update addcdiv 4: 19). Memory-bound: it runs at the machine's copy bandwidth, not its FLOPs.
+OPTIMIZER_PASSES = 3 + 19
+
+
+def optimizer_seconds(params_held, traffic_bytes_per_s, passes=OPTIMIZER_PASSES):
+    return passes * 4 * params_held / traffic_bytes_per_s
+
+
+def predict_step(flops_per_rank, peak_flops, collectives, fits, optimizer_s=0.0):
+    """Seconds per step: compute, the optimizer step, the communication, and the two bounds
+    (communication exposed after compute, or hidden behind it)."""
     compute = flops_per_rank / peak_flops
     comm = sum(fits[op].seconds(num_bytes) for op, num_bytes in collectives)
-    return {"compute_s": compute, "comm_s": comm, "exposed_s": compute + comm,
-            "overlapped_s": max(compute, comm)}
+    return {"compute_s": compute, "optimizer_s": optimizer_s, "comm_s": comm,
+            "exposed_s": compute + optimizer_s + comm,
+            "overlapped_s": max(compute, comm) + optimizer_s}
 
 
 # ---------------------------------------------------------------- --check: this machine
@@ -111,9 +125,12 @@ def measure_fits(nproc, folder):
                                           "--min-bytes", "4K", "--max-bytes", "16M",
                                           "--step-factor", "2", "--iters", "10",
                                           "--json-out", out]))
-    rows = json.loads(out.read_text())["rows"]
-    return {op: fit_collective([(r["bytes"], r["time_us"] / 1e6) for r in rows if r["op"] == op])
+    report = json.loads(out.read_text())
+    fits = {op: fit_collective([(r["bytes"], r["time_us"] / 1e6) for r in report["rows"]
+                                if r["op"] == op])
             for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    # memcpy moves each byte twice (one read, one write): traffic = 2 x copy bandwidth.
+    return fits, 2 * report["memcpy_gbps"] * 1e9
 
 
 def measured_step_s(metrics):
@@ -140,7 +157,7 @@ def model_shapes(config):
     return lab01_ddp.parameter_shapes(argparse.Namespace(**config))
 
 
-def check_case(lab, dim, nproc, fits, folder):
+def check_case(lab, dim, nproc, fits, traffic, folder):
     heads = max(4, dim // 64)
     metrics_path = Path(folder) / f"{lab}-{dim}.json"
     run(torchrun(f"{lab}.py", nproc, ["--dim", dim, "--num-heads", heads, "--steps", 12,
@@ -150,11 +167,13 @@ def check_case(lab, dim, nproc, fits, folder):
     tokens_per_rank = metrics["config"]["batch_size"] * metrics["config"]["seq_len"] / nproc
     flops = metrics["flops_per_token"] * tokens_per_rank
     shapes = model_shapes(metrics["config"])
+    num_params = sum(math.prod(s) for s in shapes.values())
     if lab == "lab02_fsdp":
-        collectives = fsdp_collectives(unit_param_bytes(shapes))
+        collectives, held = fsdp_collectives(unit_param_bytes(shapes)), num_params / nproc
     else:
-        collectives = ddp_collectives(4 * sum(math.prod(s) for s in shapes.values()))
-    predicted = predict_step(flops, metrics["peak_flops_per_rank"], collectives, fits)
+        collectives, held = ddp_collectives(4 * num_params), num_params
+    predicted = predict_step(flops, metrics["peak_flops_per_rank"], collectives, fits,
+                             optimizer_seconds(held, traffic))
     return {"lab": lab, "dim": dim, "nproc": nproc, "measured_s": measured_step_s(metrics),
             "predicted_s": predicted["exposed_s"], **predicted,
             "peak_flops_per_rank": metrics["peak_flops_per_rank"], "mfu": metrics["mfu"],
@@ -173,13 +192,15 @@ def main(argv=None):
         parser.print_help()
         return 0
     with tempfile.TemporaryDirectory() as folder:
-        fits = measure_fits(args.nproc, folder)
-        cases = [check_case(lab, int(dim), args.nproc, fits, folder)
+        fits, traffic = measure_fits(args.nproc, folder)
+        cases = [check_case(lab, int(dim), args.nproc, fits, traffic, folder)
                  for lab in ("lab01_ddp", "lab02_fsdp") for dim in args.dims.split(",")]
-    result = {"fits": {op: vars(fit) for op, fit in fits.items()}, "cases": cases}
+    result = {"fits": {op: vars(fit) for op, fit in fits.items()},
+              "memory_traffic_bytes_per_s": traffic, "cases": cases}
     for case in cases:
         print(f"{case['lab']:<11} dim {case['dim']:>4}: predicted {case['predicted_s'] * 1e3:7.1f} ms "
-              f"(compute {case['compute_s'] * 1e3:.1f} + comm {case['comm_s'] * 1e3:.1f}), "
+              f"(compute {case['compute_s'] * 1e3:.1f} + optimizer {case['optimizer_s'] * 1e3:.1f} "
+              f"+ comm {case['comm_s'] * 1e3:.1f}), "
               f"measured {case['measured_s'] * 1e3:7.1f} ms, "
               f"ratio {case['measured_s'] / case['predicted_s']:.2f}")
     if args.out:
