@@ -122,7 +122,7 @@ def measure_fits(nproc, folder):
     """comm_bench at nproc ranks: one fit per collective the strategies use."""
     out = Path(folder) / "comm.json"
     run(torchrun("comm_bench.py", nproc, ["--ops", "all_reduce,all_gather,reduce_scatter",
-                                          "--min-bytes", "4K", "--max-bytes", "16M",
+                                          "--min-bytes", "4K", "--max-bytes", "64M",
                                           "--step-factor", "2", "--iters", "10",
                                           "--json-out", out]))
     report = json.loads(out.read_text())
