@@ -49,3 +49,12 @@ def test_units_are_the_blocks_then_the_root():
     shapes = {"tok_embeddings.weight": (64, 8), "layers.0.w": (8, 8), "layers.0.v": (8,),
               "layers.1.w": (8, 8), "layers.1.v": (8,), "norm.weight": (8,), "output.weight": (64, 8)}
     assert perf_model.unit_param_bytes(shapes) == [4 * 72, 4 * 72, 4 * (512 + 8 + 512)]
+
+
+def test_the_published_fsdp_prediction_is_compute_plus_the_ring_traffic():
+    # 1e9 params, 6e9 FLOP/token, 1000 tokens per GPU, 4 GPUs, 1e15 FLOP/s, 1e11 B/s links:
+    # compute 6 ms; traffic 1e9 x (2 x 2 + 4) x 3/4 = 6e9 B, 60 ms.
+    out = perf_model.fsdp_tokens_per_s(1e9, 6e9, 1000, 4, 1e15, 1e11)
+    assert out["compute_s"] == pytest.approx(6e-3) and out["comm_s"] == pytest.approx(0.06)
+    assert out["overlapped_tokens_per_s"] == pytest.approx(1000 / 0.06)
+    assert out["exposed_tokens_per_s"] == pytest.approx(1000 / 0.066)

@@ -1,0 +1,81 @@
+"""Worker functions for lessons/06_performance.py (run with spawn.run_workers).
+
+One training step of the lab model under torch.profiler, with DDP or with FSDP2 over gloo.
+Returned per rank: the intervals where this process computed (aten ops on the training
+thread) and where gloo communicated (its "gloo:*" events, which run on gloo's own threads),
+so the lesson can draw them and measure how much of the communication ran during compute.
+"""
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+
+import lab01_ddp as lab
+
+
+def build(strategy, dim, num_layers):
+    """strategy: "ddp", "fsdp" (FSDP2's defaults) or "fsdp-async" (FSDP2 with its all-gathers
+    issued async_op=True and each block prefetching the next, explicitly)."""
+    cfg = lab.parse_config(["--dim", str(dim), "--num-heads", str(max(4, dim // 64)),
+                            "--num-layers", str(num_layers), "--seq-len", "64",
+                            "--micro-batch-size", "4", "--amp", "off"])
+    torch.manual_seed(0)
+    model = lab.build_model(cfg)
+    if strategy == "ddp":
+        # Small buckets, so that several all-reduces can start while backward goes on.
+        model = DDP(model, bucket_cap_mb=1)
+    else:
+        blocks = list(model.layers.values())
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(model)
+        if strategy == "fsdp-async":
+            # Private API, on purpose: FSDP2 overlaps with CUDA streams, and on CPU there are
+            # none. async_op=True hands the all-gather to gloo's thread and returns; explicit
+            # prefetching then starts block k+1's gather before block k computes.
+            model._set_unshard_async_op(True)
+            for block, after in zip(blocks, blocks[1:]):
+                block.set_modules_to_forward_prefetch([after])
+                after.set_modules_to_backward_prefetch([block])
+    return cfg, model
+
+
+def intervals(prof):
+    """(kind, name, start_s, end_s): compute on the training thread, gloo's collectives. The
+    profiler numbers threads itself; the training thread is the one that ran the aten ops
+    (on CPU, autograd runs backward on the thread that called it)."""
+    events = prof.events()
+    training_thread = Counter(e.thread for e in events if e.name.startswith("aten::"))
+    training_thread = training_thread.most_common(1)[0][0]
+    out = []
+    for e in events:
+        start, end = e.time_range.start / 1e6, e.time_range.end / 1e6
+        if e.name.startswith("gloo:"):
+            out.append(("comm", e.name, start, end))
+        elif e.thread == training_thread and e.name.startswith("aten::"):
+            out.append(("compute", e.name, start, end))
+    return out
+
+
+def profiled_step(rank, world_size, strategy, dim, num_layers=4):
+    cfg, model = build(strategy, dim, num_layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 65), generator=torch.Generator().manual_seed(rank))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        loss = lab.loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()  # warm-up: buckets built, buffers allocated
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return intervals(prof)
