@@ -250,7 +250,7 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 
 # %%
 HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "64", "--num-layers", "4",
-         "--microbatches", "4", "--batch-size", "16", "--steps", "4", "--log-every", "4"]
+         "--microbatches", "4", "--batch-size", "16", "--steps", "8", "--log-every", "4"]
 
 
 
