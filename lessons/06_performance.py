@@ -243,13 +243,13 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 #
 # Lesson 04's debug model computes a stage in about a millisecond, so every send, receive and
 # line of schedule Python is a visible share of the step, and its wall-clock bubbles sat above
-# the formula (1F1B even above GPipe). Make each stage's work about 300 times larger (width
-# 512, 64 tokens per sequence, 4 sequences per microbatch) and the step is compute: then the
+# the formula (1F1B even above GPipe). Make each stage's work about 600 times larger (width
+# 512, 128 tokens per sequence, 4 sequences per microbatch) and the step is compute: then the
 # measured bubble must land within 15% of `(p - 1) / (m + p - 1)`, and the interleaved
 # schedule below it.
 
 # %%
-HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "64", "--num-layers", "4",
+HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers", "4",
          "--microbatches", "4", "--batch-size", "16", "--steps", "8", "--log-every", "4"]
 
 
