@@ -134,6 +134,21 @@ def run_lab(lab, nproc, args=(), tmp_path=None, timeout=180, env=None, check=Tru
     return proc, metrics
 
 
+_SHARED_RUNS = {}
+
+
+def shared_lab_run(lab, nproc, args=(), timeout=300):
+    """run_lab, once per (lab, nproc, args) for the whole session: tests in different files
+    that assert different things about the same run (a lab's docstring line, its parity
+    figures) share one launch instead of paying for two. The metrics stay in a temporary
+    folder that lives as long as the session."""
+    key = (lab, nproc, tuple(map(str, args)))
+    if key not in _SHARED_RUNS:
+        folder = tempfile.mkdtemp(prefix=f"shared-{lab}-")
+        _SHARED_RUNS[key] = run_lab(lab, nproc, args, folder, timeout=timeout)
+    return _SHARED_RUNS[key]
+
+
 def preempt_lab(lab, nproc, args, once_printed, timeout=180):
     """Start labs/<lab>.py under torchrun, wait until a stdout line starts with `once_printed`,
     then SIGTERM every worker (as a scheduler preempting the job does) and wait for the end.

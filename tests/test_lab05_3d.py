@@ -13,17 +13,17 @@ import subprocess
 
 import pytest
 
-from launcher import LABS, PYTHON, REPO, run, run_lab
+from launcher import LABS, PYTHON, REPO, run_lab, shared_lab_run
 
 TOL = 1e-5
 LAB = "lab05_3d"
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """The default layout, pp 2 x dp 2 x tp 2, with parity, logging every step."""
-    tmp = tmp_path_factory.mktemp("lab05-default")
-    return run_lab(LAB, 8, ["--check-parity", "--log-every", "1"], tmp, timeout=300)
+def default_run():
+    """The default layout, pp 2 x dp 2 x tp 2, with parity: the docstring's run, which
+    test_lab_contracts also checks (one launch for both)."""
+    return shared_lab_run(LAB, 8, ["--check-parity"])
 
 
 def assert_parity(metrics):

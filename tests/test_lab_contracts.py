@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import LABS, REPO, load_script, run_lab
+from launcher import LABS, REPO, load_script, shared_lab_run
 
 sys.path.insert(0, str(REPO / "tools"))
 LAB_PATHS = sorted(LABS.glob("lab[0-9][0-9]_*.py"))
@@ -29,7 +29,7 @@ def test_docstring_expected_last_line_matches_a_run(lab_path, tmp_path):
     """The docstring's run (the defaults plus --check-parity, at its world size) ends with the
     loss it shows, to the digits it shows, and the parity it states is within the limit."""
     nproc, steps, loss_prefix, parity = expected_line(lab_path)
-    proc, metrics = run_lab(lab_path.stem, nproc, ["--check-parity"], tmp_path, timeout=300)
+    proc, metrics = shared_lab_run(lab_path.stem, nproc, ["--check-parity"])
     done = [line for line in proc.stdout.splitlines() if line.startswith("done | ")][-1]
     assert f"| gloo x{nproc} | {steps} steps | loss {loss_prefix}" in done, done
     assert float(parity) <= metrics["parity_tol"] and metrics["parity_max_abs_diff"] <= 1e-5
