@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from launcher import LABS, PYTHON, REPO, run_lab, shared_lab_run
+from launcher import LABS, PYTHON, REPO, load_script, run_lab, shared_lab_run
 
 TOL = 1e-5
 LAB = "lab05_3d"
@@ -34,10 +34,7 @@ def assert_parity(metrics):
 
 
 def test_the_automatic_layout():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(LAB, LABS / f"{LAB}.py")
-    lab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lab)
+    lab = load_script(LABS / f"{LAB}.py")
     assert [lab.auto_layout(n) for n in (1, 2, 3, 4, 8, 16)] == [
         (1, 1, 1), (1, 1, 2), (1, 3, 1), (2, 1, 2), (2, 2, 2), (2, 4, 2)]
 

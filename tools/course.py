@@ -28,7 +28,8 @@ def torch_cuda_count():
 
 
 def default_world_size():
-    return torch_cuda_count() if torch_cuda_count() >= 2 else 2
+    gpus = torch_cuda_count()
+    return gpus if gpus >= 2 else 2
 
 
 # lab05 composes three axes, and at 2 ranks its automatic layout has only one (tp 2): on CPU it
