@@ -883,9 +883,11 @@ def gpu_spec_for(device_name):
     return None, None
 
 
-def measure_matmul_peak(device, dtype, size=512, seconds=0.3):
+def measure_matmul_peak(device, dtype, size=512, seconds=0.1):
     """FLOP/s of one square matmul on this process's threads: the CPU's stand-in for a
-    datasheet peak. Run on every rank at once, as in training, so the ranks share the cores."""
+    datasheet peak. Run on every rank at once, as in training, so the ranks share the cores.
+    0.1 s is about 40 matmuls at 100 GFLOP/s: steadier would not help, since a shared machine's
+    peak moves 10% between runs anyway (labs/perf_model.py --check measures for 1 s)."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):

@@ -104,16 +104,20 @@ def predict_step(flops_per_rank, peak_flops, collectives, fits, optimizer_s=0.0)
             "overlapped_s": max(compute, comm) + optimizer_s}
 
 
-def fsdp_tokens_per_s(num_params, flop_per_token, tokens_per_gpu, world_size, peak_flops,
-                      link_bytes_per_s, gather_bytes=2, reduce_bytes=4, gathers=2):
-    """The same model for a published FSDP run, from datasheet figures: compute at the peak,
-    and FSDP's traffic per GPU per step (all-gathers of the parameters in the gather dtype, in
-    forward and again in backward; one reduce-scatter of the gradients in the reduce dtype),
-    each a ring moving (n-1)/n of the buffer over one link of link_bytes_per_s. Returns tokens
-    per second per GPU with the communication exposed and hidden behind compute."""
+def datasheet_tokens_per_s(strategy, num_params, flop_per_token, tokens_per_gpu, world_size,
+                           peak_flops, link_bytes_per_s, gather_bytes=2, reduce_bytes=4):
+    """The same model for a cluster described by datasheet figures: compute at the peak, and
+    the strategy's traffic per GPU per step, each collective a ring moving (n-1)/n of its
+    buffer over one link of link_bytes_per_s.
+        ddp   one all-reduce of the gradients in the reduce dtype: 2 (n-1)/n x P x reduce_bytes
+        fsdp  all-gathers of the parameters in the gather dtype, in forward and again in
+              backward, and one reduce-scatter of the gradients: (2 x gather + reduce) (n-1)/n P
+    Returns the seconds of each, and tokens per second per GPU with the communication exposed
+    and hidden behind compute."""
+    traffic_per_param = {"ddp": 2 * reduce_bytes, "fsdp": 2 * gather_bytes + reduce_bytes}
     compute = flop_per_token * tokens_per_gpu / peak_flops
     ring = (world_size - 1) / world_size
-    comm = num_params * (gathers * gather_bytes + reduce_bytes) * ring / link_bytes_per_s
+    comm = num_params * traffic_per_param[strategy] * ring / link_bytes_per_s
     return {"compute_s": compute, "comm_s": comm,
             "exposed_tokens_per_s": tokens_per_gpu / (compute + comm),
             "overlapped_tokens_per_s": tokens_per_gpu / max(compute, comm)}

@@ -328,6 +328,8 @@ for m_ in [straight, *legs]:
           f"  {m_['loss_parity_max_abs_diff']:.1e}")
     assert m_["parity_max_abs_diff"] <= 1e-5 and m_["loss_parity_max_abs_diff"] <= 1e-5
     assert grads is None or grads <= 1e-5
+assert [(m_["pp_size"], m_["dp_size"], m_["tp_size"]) for m_ in legs] == [(2, 2, 2), (1, 2, 4),
+                                                                         (1, 1, 1)]
 chained = [loss for leg in legs for loss in leg["losses"]]
 assert [step for step, _ in chained] == list(range(1, 13))
 worst = max(abs(a - b) for (_, a), (_, b) in zip(chained, straight["losses"]))

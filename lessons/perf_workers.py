@@ -1,6 +1,6 @@
 """Worker functions for lessons/06_performance.py (run with spawn.run_workers).
 
-One training step of the lab model under torch.profiler, with DDP or with FSDP2 over gloo.
+Training steps of the lab model under torch.profiler, with DDP or with FSDP2 over gloo.
 Returned per rank: the intervals where this process computed (aten ops on the training
 thread) and where gloo communicated (its "gloo:*" events, which run on gloo's own threads),
 so the lesson can draw them and measure how much of the communication ran during compute.
@@ -61,8 +61,15 @@ def intervals(prof):
     return out
 
 
-def profiled_step(rank, world_size, strategy, dim, num_layers=4):
+def profiled_steps(rank, world_size, strategies, dim, num_layers=4):
+    """{strategy: intervals} for one profiled step of each strategy, in one process group
+    (one start-up of the ranks for all of them)."""
+    return {strategy: profiled_step(strategy, dim, num_layers) for strategy in strategies}
+
+
+def profiled_step(strategy, dim, num_layers):
     cfg, model = build(strategy, dim, num_layers)
+    rank = dist.get_rank()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, cfg.vocab_size, (4, 65), generator=torch.Generator().manual_seed(rank))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

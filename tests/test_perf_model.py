@@ -51,10 +51,18 @@ def test_units_are_the_blocks_then_the_root():
     assert perf_model.unit_param_bytes(shapes) == [4 * 72, 4 * 72, 4 * (512 + 8 + 512)]
 
 
-def test_the_published_fsdp_prediction_is_compute_plus_the_ring_traffic():
+def test_the_datasheet_prediction_is_compute_plus_the_ring_traffic():
     # 1e9 params, 6e9 FLOP/token, 1000 tokens per GPU, 4 GPUs, 1e15 FLOP/s, 1e11 B/s links:
-    # compute 6 ms; traffic 1e9 x (2 x 2 + 4) x 3/4 = 6e9 B, 60 ms.
-    out = perf_model.fsdp_tokens_per_s(1e9, 6e9, 1000, 4, 1e15, 1e11)
+    # compute 6 ms; FSDP traffic 1e9 x (2 x 2 + 4) x 3/4 = 6e9 B, 60 ms.
+    out = perf_model.datasheet_tokens_per_s("fsdp", 1e9, 6e9, 1000, 4, 1e15, 1e11)
     assert out["compute_s"] == pytest.approx(6e-3) and out["comm_s"] == pytest.approx(0.06)
     assert out["overlapped_tokens_per_s"] == pytest.approx(1000 / 0.06)
     assert out["exposed_tokens_per_s"] == pytest.approx(1000 / 0.066)
+
+
+def test_ddp_moves_one_all_reduce_of_fp32_gradients():
+    # 2 (n-1)/n x 1e9 x 4 bytes = 6e9 B at n = 4: the same bytes as FSDP's 2 + 2 + 4 here.
+    out = perf_model.datasheet_tokens_per_s("ddp", 1e9, 6e9, 1000, 4, 1e15, 1e11)
+    assert out["comm_s"] == pytest.approx(0.06)
+    one_gpu = perf_model.datasheet_tokens_per_s("ddp", 1e9, 6e9, 1000, 1, 1e15, 1e11)
+    assert one_gpu["comm_s"] == 0 and one_gpu["exposed_tokens_per_s"] == pytest.approx(1000 / 6e-3)

@@ -441,6 +441,34 @@ def test_decision_guide_figures_are_the_estimators(site):
                 (billions, gpus, strategy, value)
 
 
+def test_decision_guide_throughput_is_perf_models_with_its_stated_assumptions(site):
+    """The throughput table: 12 rows; 'does not fit' exactly where the memory table says too
+    big; and one cell worked by hand from the stated assumptions (8B on one node of 8)."""
+    import html as html_lib
+
+    page = html_lib.unescape((site / "reference" / "which-parallelism.html").read_text())
+    rows = re.findall(r"<tr>\s*<td>(\d+)B \((\d+) x (\d+)\)</td>\s*<td>(\d+)</td>\s*"
+                      r"<td>([\d.]+) s</td>\s*<td>(.*?)</td>\s*<td>(.*?)</td>\s*</tr>", page, re.S)
+    assert len(rows) == 12, rows
+    memory = dict(((b, g), cells) for b, g, cells in re.findall(
+        r"<tr>\s*<td>(\d+)B</td>\s*<td>(\d+)</td>(.*?)</tr>", page, re.S))
+    for billions, layers, dim, gpus, compute_s, ddp, fsdp in rows:
+        mem = re.findall(r"<td>[\d,.]+ GB \((fits|<strong>too big</strong>)\)</td>",
+                         memory[(billions, gpus)])
+        assert (ddp == "does not fit") == (mem[0] != "fits"), (billions, gpus)
+        assert (fsdp == "does not fit") == (mem[3] != "fits"), (billions, gpus)
+    row = next(r for r in rows if r[0] == "8" and r[3] == "8")
+    flop_per_token = 6 * 8e9 + 12 * 32 * 4096 * 8192
+    compute = flop_per_token * 16384 / 989e12          # 2 x 8192 tokens at the bf16 peak
+    comm = 8e9 * (2 * 2 + 4) * 7 / 8 / 450e9           # bf16 gathers twice, fp32 reduce, NVLink
+    assert float(row[4]) == pytest.approx(compute, abs=0.005)
+    fast, slow, shown_comm = re.fullmatch(r"([\d,]+) to ([\d,]+) \(comm ([\d.]+) s\)",
+                                          row[6]).groups()
+    assert int(fast.replace(",", "")) == pytest.approx(16384 / max(compute, comm), abs=1)
+    assert int(slow.replace(",", "")) == pytest.approx(16384 / (compute + comm), abs=1)
+    assert float(shown_comm) == pytest.approx(comm, abs=0.005)
+
+
 def test_lab_pages_show_the_use_it_in_your_project_guide(site):
     """The docstring block (format checked by tests/test_lab_guides.py) becomes a section with
     its runbook paths turned into working links (the link checker above covers them)."""

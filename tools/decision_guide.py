@@ -1,5 +1,6 @@
 """The "which parallelism when" page, with every memory figure computed by
-labs/memory_estimator.py when the site is built (nothing typed by hand)."""
+labs/memory_estimator.py and every throughput figure by labs/perf_model.py when the site is
+built (nothing typed by hand)."""
 
 import importlib.util
 from pathlib import Path
@@ -15,12 +16,26 @@ MIXED = {"param_bytes": 2, "grad_bytes": 2, "optimizer": "adamw", "optimizer_sta
          "master_weights": True}
 
 
-def estimator():
-    spec = importlib.util.spec_from_file_location("memory_estimator",
-                                                  ROOT / "labs" / "memory_estimator.py")
+# Throughput assumptions (datasheet figures, not measurements): H100 SXM bf16 dense peak;
+# NVLink 450 GB/s each way inside an 8-GPU node; one 400 Gb/s InfiniBand NIC per GPU (50 GB/s)
+# once a ring leaves the node. Local batch: 2 sequences of 8192 tokens per GPU (torchtitan's
+# Llama 3.1 8B benchmark). Llama 3 shapes (layers, width) for the attention FLOPs.
+PEAK_FLOPS = 989e12
+NVLINK_BYTES_PER_S, NIC_BYTES_PER_S = 450e9, 50e9
+GPUS_PER_NODE = 8
+SEQ_LEN, TOKENS_PER_GPU = 8192, 2 * 8192
+SHAPES = {"1B": (16, 2048), "8B": (32, 4096), "70B": (80, 8192), "405B": (126, 16384)}
+
+
+def load_lab_module(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "labs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def estimator():
+    return load_lab_module("memory_estimator")
 
 
 def per_gpu_gb(num_params, world_size, strategy):
@@ -44,6 +59,48 @@ def memory_table():
     return "\n".join(rows)
 
 
+def flop_per_token(model):
+    """The labs' formula (lesson 06): 6 per weight, plus attention's 12 x layers x width x seq."""
+    layers, dim = SHAPES[model]
+    return 6 * MODELS[model] + 12 * layers * dim * SEQ_LEN
+
+
+def predicted_step(model, world_size, strategy):
+    link = NVLINK_BYTES_PER_S if world_size <= GPUS_PER_NODE else NIC_BYTES_PER_S
+    return load_lab_module("perf_model").datasheet_tokens_per_s(
+        strategy, MODELS[model], flop_per_token(model), TOKENS_PER_GPU, world_size, PEAK_FLOPS,
+        link)
+
+
+def throughput_cell(model, world_size, strategy):
+    if per_gpu_gb(MODELS[model], world_size, {"ddp": "ddp", "fsdp": "zero3"}[strategy]) > \
+            BUDGET * GPU_GB:
+        return "does not fit"
+    step = predicted_step(model, world_size, strategy)
+    return (f"{step['overlapped_tokens_per_s']:,.0f} to {step['exposed_tokens_per_s']:,.0f} "
+            f"(comm {step['comm_s']:.2f} s)")
+
+
+def comm_ratio(link_bytes_per_s):
+    """Communication over compute per step at the peak, for 8 bytes of traffic per parameter
+    and the ring factor (n-1)/n taken as 1."""
+    return 8 * PEAK_FLOPS / link_bytes_per_s / (6 * TOKENS_PER_GPU)
+
+
+def throughput_table():
+    header = ("| model (layers x width) | GPUs | compute per step at peak | DDP: tok/s per GPU "
+              "| FSDP: tok/s per GPU |")
+    rows = [header, "|---|---|---|---|---|"]
+    for model in MODELS:
+        for world_size in WORLD_SIZES:
+            compute_s = predicted_step(model, world_size, "fsdp")["compute_s"]
+            layers, dim = SHAPES[model]
+            rows.append(f"| {model} ({layers} x {dim}) | {world_size} | {compute_s:.2f} s | "
+                        f"{throughput_cell(model, world_size, 'ddp')} | "
+                        f"{throughput_cell(model, world_size, 'fsdp')} |")
+    return "\n".join(rows)
+
+
 def page():
     return f"""# Which parallelism when
 
@@ -60,6 +117,33 @@ fragmentation. That allowance is a rule of thumb, not a measurement: check yours
 
 Your model: `python labs/memory_estimator.py --params 8e9 --world-size 8 --param-bytes 2
 --grad-bytes 2 --master-weights`.
+
+## Throughput: what the step-time model predicts
+
+Predicted by `labs/perf_model.py` (`datasheet_tokens_per_s`) when this site is built, for the
+layouts of the memory table that fit. Each cell gives tokens per second per GPU with the
+communication hidden behind compute, then with it exposed (nothing overlapped), and the
+communication time per step. Assumptions, all datasheet figures and none measured here:
+H100 SXM at its {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16 dense peak; NVLink at
+{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s each way inside a node of {GPUS_PER_NODE}; beyond one node,
+every ring runs at one 400 Gb/s NIC per GPU ({NIC_BYTES_PER_S / 1e9:.0f} GB/s); a local batch
+of {TOKENS_PER_GPU // SEQ_LEN} sequences of {SEQ_LEN} tokens; bf16 all-gathers and fp32
+gradient reductions; FLOPs per token from the labs' formula with Llama 3's shapes.
+
+{throughput_table()}
+
+Read the compute column as a floor and the tokens per second as a ceiling: they assume every
+FLOP at the peak. A published run reaches about a third of it: torchtitan's Llama 3.1 8B FSDP
+benchmark on 8 H100s reports 5,762 tokens per second per GPU, 34% MFU (lesson 06 sets the
+prediction beside it and explains the gap).
+
+What the table does say is the ratio of communication to compute. Both grow with the
+parameter count, so the ratio hardly depends on the model: it is about
+8 bytes x (peak / link) / (6 x tokens per GPU), {comm_ratio(NVLINK_BYTES_PER_S):.2f} inside a node and
+{comm_ratio(NIC_BYTES_PER_S):.2f} across nodes here. Above 1, overlap cannot hide the traffic at the
+peak: across nodes, with {TOKENS_PER_GPU:,} tokens per GPU per step, FSDP and DDP are
+communication bound until the kernels run below {100 / comm_ratio(NIC_BYTES_PER_S):.0f}% of the peak, or until
+each GPU processes more tokens per step (a larger local batch).
 
 ## The order to try them in
 
