@@ -193,7 +193,7 @@ def check_case(lab, dim, nproc, fits, traffic, peak, folder):
     heads = max(4, dim // 64)
     metrics_path = Path(folder) / f"{lab}-{dim}.json"
     # No --check-parity: its single-process reference would double the run and time nothing.
-    run(torchrun(f"{lab}.py", nproc, ["--dim", dim, "--num-heads", heads, "--steps", 12,
+    run(torchrun(f"{lab}.py", nproc, ["--dim", dim, "--num-heads", heads, "--steps", 8,
                                        "--log-every", 4, "--amp", "off",
                                        "--metrics-out", metrics_path]))
     metrics = json.loads(metrics_path.read_text())
