@@ -372,3 +372,34 @@ for name, tps in published.items():
 # communication term, a few hundred milliseconds of NVLink traffic against a second of
 # compute, is hidden behind compute either way: a step of an 8B model on one node is compute
 # bound, and its MFU is a question of kernels, not of FSDP.
+
+# %% [markdown]
+# ## Summary
+#
+# - MFU is FLOPs per token x tokens per second / the peak. On one CPU thread it climbs from
+#   about 10% at width 32 to about 70% at width 1024: the labs' debug model is overhead.
+# - DDP's bucket all-reduces overlap backward even on gloo. FSDP2's prefetch overlaps through
+#   CUDA streams, so on CPU its defaults block; async all-gathers overlap, but one core per
+#   rank has no spare engine to gain from it.
+# - `torch.compile` buys little on a CPU step made of matmuls; the published GPU gain is 16%
+#   for an 8B model (not measured here).
+# - `labs/perf_model.py` predicts a step from FLOPs at the measured peak and collectives from
+#   the alpha-beta fit. It is a lower bound, within 35% where compute dominates; what it
+#   misses is named above. With datasheet figures it predicts three times a published run's
+#   throughput: kernels run at a third of the peak.
+# - With stages heavy enough, the measured bubble lands on `(p - 1) / (m + p - 1)`.
+#
+# ## Exercises
+#
+# 1. **FLOPs per token, by hand**, and the published run's MFU: onboarding exercise 6.1.
+# 2. **When FSDP's traffic stops hiding**: onboarding exercise 6.2.
+# 3. **Your machine.** Run `python labs/perf_model.py --check --dims 256,1024` and read, for
+#    each case, which term of the prediction dominates and how far the measurement sits above
+#    it. Predict first: which of lab01 and lab02 misses by more, and why?
+#
+# ## If it breaks
+#
+# - A lab that is slower than its prediction by far: look for the data loader first
+#   ([DataLoader stalls](../runbooks/dataloader-slow-input.md)), then for one slow rank
+#   ([straggler rank](../runbooks/dataloader-straggler-rank.md)).
+# - A rank that waits forever instead of slowly: [collective timeouts](../runbooks/collective-timeout.md).
