@@ -110,6 +110,10 @@ def test_timings_table_is_filled_and_sourced():
     text = PAGE.read_text()
     rows = re.findall(r"^\| (.+?) \| `(.+?)` \| (\d+) s \|$", text, re.M)
     assert len(rows) >= 10, "the timing table lists the labs, two lessons and the drills"
+    table = text.split("| what | command | measured |\n|---|---|---|\n", 1)[1].split("\n\n")[0]
+    unfilled = [row for row in table.splitlines()
+                if not re.fullmatch(r"\| (.+?) \| `(.+?)` \| (\d+) s \|", row)]
+    assert not unfilled, f"timing rows without a measured figure: {unfilled}"
     assert "torch 2.13" in text and "2-core" in text  # where the numbers come from
 
 
