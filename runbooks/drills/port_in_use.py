@@ -53,6 +53,11 @@ def parse_args(argv=None):
                         help="init_process_group timeout of the workers")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hold-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    # The c10d --holder job handshake: job B's rank 0 creates the flag once it has joined, and
+    # job A holds until then (at most --hold-s), so that job A ends while job B still runs
+    # however slowly a loaded machine starts job B.
+    parser.add_argument("--joined-flag", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hold-until", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.hang_s <= 0 or args.timeout_s <= 0 or not 0 <= args.port < 65536:
         parser.exit(2, "port_in_use.py: error: --hang-s, --timeout-s > 0, 0 <= --port < 65536\n")
@@ -71,10 +76,21 @@ def worker(args):
     print(f"rank {rank}: joined via {os.environ.get('MASTER_ADDR')}:"
           f"{os.environ.get('MASTER_PORT')} (job {os.environ.get('TORCHELASTIC_RUN_ID')})",
           flush=True)
-    time.sleep(args.hold_s)
+    if rank == 0 and args.joined_flag:
+        open(args.joined_flag, "w").close()
+    hold_for(args.hold_s, args.hold_until)
     dist.barrier()
     print(f"rank {rank}: done", flush=True)
     dist.destroy_process_group()
+
+
+def hold_for(hold_s, until_path):
+    """Stay up hold_s seconds, or less once until_path exists."""
+    deadline = time.monotonic() + hold_s
+    while time.monotonic() < deadline:
+        if until_path and os.path.exists(until_path):
+            return
+        time.sleep(0.1)
 
 
 def free_port():
@@ -103,9 +119,10 @@ def show_holder(port):
     print(f"$ ss -ltnp 'sport = :{port}'\n{out or '(nothing listens)'}", flush=True)
 
 
-def launch_cmd(case, port, fix, hold_s, timeout_s, run_id):
+def launch_cmd(case, port, fix, hold_s, timeout_s, run_id, flag_args=()):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    script = [DRILL, "--worker", "--hold-s", str(hold_s), "--timeout-s", str(timeout_s)]
+    script = [DRILL, "--worker", "--hold-s", str(hold_s), "--timeout-s", str(timeout_s),
+              *flag_args]
     if fix == "standalone":
         return [*torchrun, "--standalone", *script]
     if case in ("static", "port-zero"):
@@ -138,18 +155,19 @@ def run_bounded(cmd, env, hang_s):
     return rc, time.monotonic() - t0
 
 
-def start_holder(args, port, env):
+def start_holder(args, port, env, joined_flag):
     """Make the port busy; returns (holder object, description)."""
     if args.holder == "socket":
         sock = socket.socket(socket.AF_INET6)
         sock.bind(("::", port))  # dual stack: IPv4 and IPv6, like the TCPStore server
         sock.listen()
         return sock, f"a plain listening socket (pid {os.getpid()}, this drill)"
-    # Another torchrun job on the same port. With c10d it ends after a few seconds while ours
-    # still runs (ours shares its store); with static it outlives our failed start.
-    hold_s = 6.0 if args.case == "c10d" else args.hang_s + 10
-    cmd = launch_cmd("c10d" if args.case == "c10d" else "static", port, "none", hold_s,
-                     args.timeout_s, "job-A")
+    # Another torchrun job on the same port. With c10d it ends once ours has joined (ours
+    # shares its store, and is still running); with static it outlives our failed start.
+    c10d = args.case == "c10d"
+    hold_s = 60.0 if c10d else args.hang_s + 10
+    cmd = launch_cmd("c10d" if c10d else "static", port, "none", hold_s, args.timeout_s,
+                     "job-A", ("--hold-until", joined_flag) if c10d else ())
     print("job A, the one that got the port first:", flush=True)
     print("$ " + " ".join(cmd).replace(sys.executable, "python").replace(DRILL, "port_in_use.py"),
           flush=True)
@@ -165,10 +183,16 @@ def start_holder(args, port, env):
     return proc, f"torchrun job A (pid {proc.pid})"
 
 
-def stop_holder(holder):
+def stop_holder(holder, grace_s):
+    """Release the port. A holder job gets grace_s to end by itself first: job B's failure can
+    be job A's own shutdown (its store going away), seen before job A's agent has exited."""
     if isinstance(holder, socket.socket):
         holder.close()
         return
+    try:
+        holder.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
     stopped = holder.poll() is None
     if stopped:
         os.killpg(holder.pid, signal.SIGTERM)  # torchrun forwards it to its workers
@@ -192,7 +216,8 @@ def main(argv=None):
         env.pop(name, None)
     if args.case == "env":
         env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    holder, what = start_holder(args, port, env)
+    joined_flag = os.path.join(tempfile.mkdtemp(prefix="port_in_use_"), "job-B-joined")
+    holder, what = start_holder(args, port, env, joined_flag)
     try:
         print(f"port {port} is held by {what}", flush=True)
         show_holder(port)
@@ -202,11 +227,13 @@ def main(argv=None):
         # Sharing job A's c10d store: stay up longer than job A, to see what happens when it ends.
         shares = args.case == "c10d" and args.holder == "job" and args.fix == "none"
         cmd = launch_cmd(args.case, target, args.fix, 60.0 if shares else 0.0, args.timeout_s,
-                         "job-B")
+                         "job-B", ("--joined-flag", joined_flag))
         print(f"job B, --case {args.case} --fix {args.fix}:", flush=True)
         rc, took = run_bounded(cmd, env, args.hang_s)
     finally:
-        stop_holder(holder)
+        # job A (c10d) ends by itself once job B has joined; the static holder never does.
+        stop_holder(holder, grace_s=30.0 if args.case == "c10d" else 0.0)
+        shutil.rmtree(os.path.dirname(joined_flag), ignore_errors=True)
     if rc is None:
         print(f"port_in_use: {args.case}: HUNG, no result after {took:.1f} s (stopped)", flush=True)
         sys.exit(3)
