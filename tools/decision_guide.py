@@ -166,6 +166,18 @@ depends on your hardware.
    nodes are slow or the model is too deep for the above. It sends only activations between
    stages, but idles a fraction (p - 1) / (m + p - 1) of each step (p stages, m micro-batches):
    lesson 04 measures that bubble for every schedule.
+5. **Context parallel** ([lesson 07](../lessons/07_context_parallel.ipynb)) when the
+   sequence is long enough that one sample's activations no longer fit, whatever the other
+   axes do: none of them splits the sequence. Each rank keeps S/p tokens (lesson 07 measures
+   the saved activations per rank at exactly 1/p); the price is a ring of key/value slices in
+   every attention layer, about 2.75 times the sequence's keys and values per layer and step
+   at p = 4 with the backward pass (exercise 7.2), so keep the ring inside a node. Use the
+   head-tail split with causal attention: the naive split leaves the last rank the most work.
+6. **Expert parallel** ([lesson 08](../lessons/08_expert_parallel.ipynb)) for a
+   mixture-of-experts model, whose experts are most of its parameters: spread them over an
+   `ep` axis. Each MoE layer then does two all-to-alls forward and two backward, about
+   4 x tokens x k x (p - 1) / p x dim values per rank (lesson 08 measures them), and is as
+   fast as its busiest expert, so the router must be balanced.
 
 The table also shows why step 2 comes before step 3: at 70B on 64 GPUs, FSDP alone already brings
 the state to {per_gpu_gb(70e9, 64, "zero3"):.1f} GB per GPU.
