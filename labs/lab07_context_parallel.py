@@ -38,10 +38,12 @@ Use it in your project:
     the ring's `rotate()` (both directions posted together, peers as global ranks);
     `build_mesh()`'s two meshes (cp groups for the ring, all ranks for fully_shard); DCP
     `save_checkpoint()` / `load_checkpoint()` (tmp dir, then rename; any world size).
-  - Pitfalls: RoPE must use each token's global position, not its local index. Every rank
-    of a cp group must run every ring step, even with no visible block, or its neighbour
-    waits until --timeout-s. With causal attention the contiguous split leaves the last rank
-    the most work (--layout contiguous shows it).
+  - Pitfalls: RoPE must use each token's global position (`sequence_positions()`), not its
+    local index. Every rank of a cp group must run every step of `rotate()`, even one with
+    no visible block, or its neighbour waits until --timeout-s
+    (runbooks/collective-timeout.md). With causal attention the contiguous split leaves the
+    last rank the most work (--layout contiguous shows it). Out of memory at long sequences:
+    a larger --cp, then --activation-checkpointing (runbooks/oom-mitigations.md).
 """
 
 import argparse
@@ -299,7 +301,6 @@ def parse_config(argv=None):
     cfg.cp = cfg.cp or world_size
     validate_layout(cfg, world_size)  # before the batch defaults, which need dp_size
     validate_common(cfg, world_size, dp_size=world_size // cfg.cp)
-    validate_context_parallel(cfg)
     plan_or_refuse(cfg, plan_layout(cfg, world_size), world_size)
     return cfg
 
@@ -337,9 +338,6 @@ def validate_layout(cfg, world_size):
     if seq_len % chunks:
         fail_config("--seq-len", f"{seq_len} must split into {chunks} equal chunks "
                     f"(--cp {cfg.cp}, --layout {cfg.layout})")
-
-
-def validate_context_parallel(cfg):
     # lean: begin the parity flag's check
     if cfg.mixed_precision in ("bf16", "fp16") and cfg.check_parity:
         fail_config("--check-parity", f"needs --mixed-precision fp32: {cfg.mixed_precision} "

@@ -399,6 +399,20 @@ assert "_scaled_dot_product_flash_attention_for_cpu" in library[0]["error"]
 # tensors; it returns its parity against one process's SDPA.
 
 # %% [markdown]
+# ## In a whole model: `labs/lab07_context_parallel.py`
+#
+# The lab trains the course's model with this ring in every attention layer, composed with
+# FSDP2: a ("dp", "cp") mesh gives the ring its groups, and `fully_shard` runs over all ranks,
+# so each gradient is averaged over every token of the global batch. Two things change
+# outside attention: inputs and targets are cut with the same layout, and RoPE rotates each
+# token by its *global* position. Its `--check-parity` compares every parameter with one
+# process training whole sequences:
+#
+# ```bash
+# torchrun --standalone --nproc-per-node 4 labs/lab07_context_parallel.py --cp 2 --check-parity
+# ```
+
+# %% [markdown]
 # ## Summary
 #
 # - CP cuts the sequence: each rank keeps S/p tokens' activations. Attention is the only

@@ -1,5 +1,6 @@
 """lab07 (context parallelism composed with FSDP2) under torchrun on gloo: parity with one
-process at cp 2 (the docstring's run), at cp 4 with the contiguous split, and across a resume
+process at cp 2 (the docstring's run), at cp 4 with the contiguous split and grouped-query
+attention, and across a resume
 from dp 2 x cp 2 at 4 ranks to cp 2 at 2 ranks; bad layouts refused in one line.
 
 Each launch costs seconds, so each fixture is one launch that turns on more than one feature
@@ -16,8 +17,9 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def cp4_contiguous(tmp_path_factory):
+    # Grouped-query attention too: the ring repeats the key/value heads as SDPA's enable_gqa.
     return run_lab(LAB, 4, ["--steps", STEPS, "--cp", 4, "--layout", "contiguous",
-                            "--grad-accum", 2, "--check-parity"],
+                            "--grad-accum", 2, "--num-kv-heads", 2, "--check-parity"],
                    tmp_path_factory.mktemp("cp4"), timeout=300)
 
 
@@ -42,7 +44,7 @@ def test_cp2_matches_one_process():
     assert losses[-1] < 0.5 * losses[0], "the loss should visibly fall"
 
 
-def test_cp4_contiguous_with_accumulation_matches_one_process(cp4_contiguous):
+def test_cp4_contiguous_with_accumulation_and_gqa_matches_one_process(cp4_contiguous):
     _, metrics = cp4_contiguous
     assert metrics["mesh"] == {"dp": 1, "cp": 4} and metrics["cp_layout"] == "contiguous"
     assert metrics["parity_max_abs_diff"] <= 1e-5
