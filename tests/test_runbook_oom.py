@@ -8,6 +8,7 @@ settings; marked gpu and skipped with the reason on machines without CUDA.
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -160,7 +161,10 @@ def test_building_on_meta_never_holds_the_full_model(drill):
     full_model = 4 * drill[2]["fsdp"]["num_params"]
     peaks = drill[2]["fsdp"]["build_peak"]
     assert peaks["full_then_shard"] > full_model  # the whole model, then init temporaries
-    assert peaks["meta_then_shard"] < full_model  # this rank's shard + one param's temporaries
+    # This rank's shard, plus a few temporaries the size of the largest parameter (three,
+    # measured: runbooks/oom-distributed-causes.md), never the whole model.
+    largest = 4 * max(math.prod(s) for s in drill[2]["fsdp"]["param_shapes"])
+    assert peaks["meta_then_shard"] < full_model // 2 + 4 * largest < full_model
 
 
 @pytest.mark.parametrize("ws", [1, 2])

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 # TorchDispatchMode has no public alias; it is the documented hook for seeing every op.
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -313,8 +313,17 @@ def build_sharded(cfg, device, mesh, on_meta):
     with torch.no_grad():  # initialise each shard from the same full values lab01 uses
         for name, param in model.named_parameters():
             full = lab.initial_value(name, param.shape, cfg.seed).to(device)
-            param.to_local().copy_(distribute_tensor(full, mesh, param.placements).to_local())
+            param.to_local().copy_(local_rows(full, param))
     return model
+
+
+def local_rows(full, param):
+    """The rows of `full` this rank holds in the Shard(0) DTensor `param`, split as torch.chunk
+    splits them (fully_shard's layout). Slicing, not distribute_tensor: a scatter's buffers
+    live as long as gloo's work objects do, and the peak would measure them, not the rule."""
+    assert tuple(param.placements) == (Shard(0),), param.placements
+    rank, chunks = param.device_mesh.get_local_rank(), full.chunk(param.device_mesh.size())
+    return chunks[rank] if rank < len(chunks) else full[:0]
 
 
 def measure_fsdp_state(cfg, device, rank, world_size):
@@ -342,7 +351,7 @@ def measure_fsdp_state(cfg, device, rank, world_size):
         predicted[strategy] = {**vars(est), "total_bytes": est.total_bytes}
     return {"params_bytes": local_bytes(model.parameters()), "grads_bytes": grads,
             "optimizer_bytes": local_bytes(states), "num_params": sum(map(_numel, shapes)),
-            "predicted": predicted, "build_peak": build_peak}
+            "predicted": predicted, "build_peak": build_peak, "param_shapes": shapes}
 
 
 def _numel(shape):
