@@ -261,30 +261,32 @@ assert imbalance[4, "zigzag"] < 1.15, "the head-tail split should even the work 
 # %% [markdown]
 # Zig-zag is close to even. Contiguous is clearly uneven, but less than the block count's
 # 1.6. The blocks do not all cost the same: a diagonal block also builds its causal mask and
-# fills it in. Contiguous rank 0 computes only diagonal blocks (one forward, one backward) and
-# rank p-1 two diagonal plus 2(p-1) full ones, so two unit costs fall out of the measurement:
+# fills it in. Time one block of each kind here, in this process alone (1024 tokens, the
+# contiguous chunk at p = 4), and put those costs on the block counts: rank r computes two
+# diagonal blocks (forward and backward) and 2r full ones.
 
 # %%
-contiguous_cpu = next(cpu for p, layout, _, cpu, _ in work_rows
-                      if p == 4 and layout == "contiguous")
-diagonal_s = contiguous_cpu[0] / 2
-full_s = (contiguous_cpu[-1] - contiguous_cpu[0]) / (2 * (4 - 1))
+diagonal_s, full_s = cw.block_costs(WORK_SHAPE[0] // 4, *WORK_SHAPE[1:])
 modelled = [2 * diagonal_s + 2 * rank * full_s for rank in range(4)]
+modelled_ratio = max(modelled) / (sum(modelled) / 4)
 print(f"one diagonal block {diagonal_s * 1e3:.0f} ms, one full block {full_s * 1e3:.0f} ms "
-      f"({diagonal_s / full_s:.1f}x)")
-print(f"busiest / mean with those costs: {max(modelled) / (sum(modelled) / 4):.2f} "
-      f"(measured {imbalance[4, 'contiguous']:.2f})")
-assert diagonal_s > full_s
-assert abs(max(modelled) / (sum(modelled) / 4) - imbalance[4, "contiguous"]) < 0.1
+      f"({diagonal_s / full_s:.2f}x)")
+print(f"busiest / mean predicted from those costs: {modelled_ratio:.2f} "
+      f"(block counts alone: 1.60; measured on the ring: {imbalance[4, 'contiguous']:.2f})")
+assert diagonal_s > full_s and modelled_ratio < 1.6
 zig_total, contiguous_total = (sum(next(cpu for p, lay, _, cpu, _ in work_rows
                                         if p == 4 and lay == layout))
                                for layout in ("zigzag", "contiguous"))
 print(f"total attention CPU seconds at p = 4: contiguous {contiguous_total:.2f}, "
       f"zigzag {zig_total:.2f}")
+assert zig_total < contiguous_total
 
 # %% [markdown]
 # With the diagonal block's extra cost, every rank carries the same fixed amount, which pulls
-# the ratio from 1.6 toward 1; the two measured unit costs predict the measured ratio. On GPUs
+# the ratio from 1.6 toward 1: the two unit costs predict a ratio below 1.6, as measured. The
+# ring's own figure also moves with contention: its 4 processes share 2 cores and their memory
+# bandwidth, so a block's cost depends on what the other ranks run at the same moment. That
+# is why it is printed next to the prediction rather than asserted equal to it. On GPUs
 # the diagonal block is cheaper instead: a causal kernel skips its masked half, so there the
 # contiguous imbalance grows towards (p - 1/2)/(p/2) = 1.75 at p = 4.
 #
@@ -422,7 +424,8 @@ assert "_scaled_dot_product_flash_attention_for_cpu" in library[0]["error"]
 #   and 4.
 # - Causal masking with a contiguous split leaves the last rank with p blocks and the first
 #   with one; the head-tail split evens them out (measured: the busiest/mean ratio above,
-#   and two measured unit costs explain why contiguous lands below the block count's 1.6).
+#   and the diagonal block's measured extra cost explains why contiguous lands below the
+#   block count's 1.6).
 # - Saved activations per rank are exactly 1/p (measured byte for byte at three lengths).
 # - torch's `context_parallel` handles the CUDA attention kernels only; on a CPU it raises.
 #

@@ -281,6 +281,24 @@ def ring_work(rank, world_size, seq_len, heads, head_dim, layouts, repeats=3):
     return results
 
 
+def block_costs(block_tokens, heads, head_dim, repeats=5):
+    """Thread CPU seconds of one block's forward + backward, (diagonal, full), in this process
+    alone: the least of `repeats` runs, so no other process's work is in the figure."""
+    q, k, v, dout = make_qkv(block_tokens, heads, head_dim)
+    lse, delta = torch.zeros(heads, block_tokens), torch.zeros(heads, block_tokens)
+    scale = 1.0 / math.sqrt(head_dim)
+    costs = []
+    for diagonal in (True, False):
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.thread_time()
+            _, block_lse = attention_block(q, k, v, scale, diagonal)
+            block_backward(q, k, v, dout, block_lse, delta, scale, diagonal)
+            best = min(best, time.thread_time() - start)
+        costs.append(best)
+    return tuple(costs)
+
+
 def ring_memory(rank, world_size, seq_lens, heads=4, head_dim=16):
     """Bytes saved for backward on this rank, per sequence length (zigzag, causal)."""
     results = {}
