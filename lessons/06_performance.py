@@ -113,10 +113,11 @@ for r in sweep:
     print(f"dim {r['dim']:>4}: {r['step_s'] * 1e3:7.1f} ms per step, "
           f"{r['flops'] / r['step_s'] / 1e9:6.2f} GFLOP/s, MFU {r['mfu']:.0%}")
 debug = next(r for r in sweep if r["dim"] == 64)  # the labs' default width
-# Where compute dominates, MFU is several times the debug model's. How close it gets to the
-# matmul peak varies from run to run on this VM (52% to about 70% at width 1024 in the runs
-# made while writing this; the step also runs AdamW and elementwise work, slower per FLOP).
-assert sweep[-1]["mfu"] > 2 * debug["mfu"] and sweep[-1]["mfu"] > 0.35, sweep
+# Where compute dominates, MFU is a multiple of the debug model's. How close it gets to the
+# matmul peak varies from run to run on this VM (40% to about 70% at width 1024 in the runs
+# made while writing this, the peak itself reading 125 to 154 GFLOP/s; the step also runs
+# AdamW and elementwise work, slower per FLOP than a matmul).
+assert sweep[-1]["mfu"] > 1.5 * debug["mfu"] and sweep[-1]["mfu"] > 0.3, sweep
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -389,8 +390,8 @@ for name, tps in published.items():
 # ## Summary
 #
 # - MFU is FLOPs per token x tokens per second / the peak. On one CPU thread it climbs from
-#   about 10% at width 32 to half the peak or more at width 1024 (52% to about 70% in the runs
-#   on this VM): the labs' debug model is overhead.
+#   about 5% at width 32 to 40% or more at width 1024 (40% to about 70% in the runs on this
+#   VM): the labs' debug model is overhead.
 # - DDP's bucket all-reduces overlap backward even on gloo. FSDP2's prefetch overlaps through
 #   CUDA streams, so on CPU its defaults block; async all-gathers overlap, but one core per
 #   rank has no spare engine to gain from it.
