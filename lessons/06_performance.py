@@ -326,8 +326,9 @@ assert ratio[("lab01_ddp", 1024)] <= 1.6, ratio
 # 28% above in five runs made while writing this, and 37% above in a sixth (this run's figure
 # is printed above). It is a lower bound everywhere, as it should be. lab02 misses by more
 # (1.5 to 2.0 at width 1024). The largest term it leaves out is the first one below: on one
-# thread, even a single process runs the lab model at width 1024 at about 65-70% of the
-# matmul peak (section 1), so FLOPs at the peak alone undercount its compute by a third. What it leaves out, measured with the profiler while
+# thread, even a single process runs the lab model at width 1024 at 40% to 70% of the
+# matmul peak (section 1), so FLOPs at the peak alone undercount its compute by a third or
+# more. What it leaves out, measured with the profiler while
 # writing this (lab02, width 1024, one step: 1,262 ms):
 #
 # - **Everything that is not a matmul.** The FLOPs formula counts matmuls only; the norms,
