@@ -173,8 +173,8 @@ def ring_attention_backward(q, k, v, out, lse, dout, layout, causal, work=None, 
     my_ids = chunk_ids(rank, world_size, layout)
     delta = (dout * out).sum(-1)  # rowsum(dout * out): the softmax backward's correction
     dq = torch.zeros_like(q)
-    split = (lambda t: t.chunk(len(my_ids), dim=-1 if t.dim() == q.dim() - 1 else -2))
-    q_c, dout_c, lse_c, delta_c, dq_c = (split(t) for t in (q, dout, lse, delta, dq))
+    q_c, dout_c, dq_c = (t.chunk(len(my_ids), dim=-2) for t in (q, dout, dq))
+    lse_c, delta_c = (t.chunk(len(my_ids), dim=-1) for t in (lse, delta))
     kv_grad = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
     for step in range(world_size):
         kv_ids = chunk_ids((rank - step) % world_size, world_size, layout)
