@@ -281,6 +281,40 @@ def ring_work(rank, world_size, seq_len, heads, head_dim, layouts, repeats=3):
     return results
 
 
+def replay_ring_work(world_size, seq_len, heads, head_dim, layout, rounds=5):
+    """Thread CPU seconds of the blocks each ring rank computes in a causal forward + backward,
+    replayed in this process: the same blocks, with no other rank competing for the cores or
+    their memory bandwidth. The ranks take turns, round after round, so a slow moment of the
+    machine falls on all of them alike; each rank's figure is its least over the rounds."""
+    q, k, v, dout = make_qkv(seq_len, heads, head_dim)
+    n = num_chunks(world_size, layout)
+    chunks = [t.chunk(n, dim=-2) for t in (q, k, v, dout)]
+    best = [float("inf")] * world_size
+    for _ in range(rounds):
+        for rank in range(world_size):
+            best[rank] = min(best[rank], rank_blocks_cpu_s(chunks, rank, world_size, layout))
+    return best
+
+
+def rank_blocks_cpu_s(chunks, rank, world_size, layout):
+    """One pass over the blocks `rank` computes (forward then backward of each), timed."""
+    q_c, k_c, v_c, dout_c = chunks
+    heads, block_tokens, head_dim = q_c[0].shape
+    delta = torch.zeros(heads, block_tokens)
+    scale = 1.0 / math.sqrt(head_dim)
+    work = Work()
+    for q_id in chunk_ids(rank, world_size, layout):
+        for k_id in range(len(q_c)):
+            seen = visible(q_id, k_id, causal=True)
+            if seen is None:
+                continue
+            diagonal = seen == "diagonal"
+            _, lse = work.timed(attention_block, q_c[q_id], k_c[k_id], v_c[k_id], scale, diagonal)
+            work.timed(block_backward, q_c[q_id], k_c[k_id], v_c[k_id], dout_c[q_id], lse, delta,
+                       scale, diagonal)
+    return work.cpu_s
+
+
 def block_costs(block_tokens, heads, head_dim, repeats=5):
     """Thread CPU seconds of one block's forward + backward, (diagonal, full), in this process
     alone: the least of `repeats` runs, so no other process's work is in the figure."""
