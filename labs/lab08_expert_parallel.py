@@ -1371,6 +1371,10 @@ def apply_fsdp(model, layout_mesh, mesh, cfg, device):
         fully_shard(moe.experts, mesh=layout_mesh["dp"], reshard_after_forward=reshard,
                     shard_placement_fn=lambda param: Shard(1), **kwargs)
         moe.experts.set_gradient_divide_factor(world_size)
+        # A factor other than dp makes FSDP reduce with NCCL's PREMUL_SUM (scale, then sum, in
+        # one kernel), which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): there,
+        # a plain SUM, then the division.
+        moe.experts.set_force_sum_reduction_for_comms(device.type != "cuda")
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **kwargs)
     # The root keeps its params gathered after forward by default: backward starts with them.
