@@ -25,8 +25,9 @@ Launch (the same file everywhere; the backend follows the hardware):
 Minimum world size: 1 (ep 1 is FSDP with a mixture of experts). Expected last line of the
 --check-parity run at 2 ranks (numbers vary slightly with hardware; the default global batch
 is 8 sequences per rank, so the loss depends on the world size unless --batch-size is given):
-    done | lab08_expert_parallel | gloo x2 | 40 steps | loss LOSS... | parity PARITY | ...
-Tested on torch 2.13. MEASURED
+    done | lab08_expert_parallel | gloo x2 | 40 steps | loss 0.37... | parity 3.9e-07 | ...
+Measured on torch 2.13, 2 CPU cores: the default run at 2 ranks trains in 5-8 s (12-21 s
+with torchrun's start-up); the gradient norms match the reference's to ~1e-6 (relative).
 The experts run one matmul per local expert; on GPUs torchtitan runs them as one grouped GEMM
 (torch._grouped_mm). The loss is cross-entropy + --aux-weight x the load-balancing loss.
 --plan counts one expert's MLP per block (the dense model's shape), not all of them.
