@@ -39,7 +39,7 @@ def dp2_ep2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """ep 4 at 4 ranks (one expert per rank) stops at step 6 with a checkpoint; dp 2 x ep 1 at
+    """ep 4 at 4 ranks (two experts per rank) stops at step 6 with a checkpoint; dp 2 x ep 1 at
     2 ranks (every expert on every rank, no all-to-all) resumes it and must end where one
     process ends after all 12 steps."""
     tmp = tmp_path_factory.mktemp("resume")
@@ -55,7 +55,7 @@ def test_ep2_matches_one_process():
     assert metrics["mesh"] == {"dp": 1, "ep": 2} and metrics["ep"] == 2
     assert_parity(metrics)
     assert metrics["tokens_dropped"] == 0  # no --capacity-factor: no cap
-    assert len(metrics["expert_load"]) == 2 and len(metrics["expert_load"][0]) == 4
+    assert len(metrics["expert_load"]) == 2 and len(metrics["expert_load"][0]) == 8
     for block in metrics["expert_load"]:
         assert sum(block) == routing_choices_per_block(metrics, 40)
     losses = [loss for _, loss in metrics["losses"]]
@@ -73,7 +73,7 @@ def test_dp2_ep2_with_accumulation_and_dropping_matches_one_process(dp2_ep2):
     # Experts: whole experts split over ep (dim 0), their rows over dp (dim 1).
     placements, shape, local = metrics["layout"]["layers.0.feed_forward.experts.w1"]
     assert placements == "(Shard(dim=1), Shard(dim=0))"
-    assert shape == [4, 256, 64] and local == [2, 128, 64]
+    assert shape == [8, 256, 64] and local == [4, 128, 64]
     placements, _, _ = metrics["layout"]["layers.0.feed_forward.router.weight"]
     assert placements == "(Shard(dim=0),)"
 
@@ -91,7 +91,7 @@ def test_a_resume_from_ep4_at_dp2_ends_where_one_process_does(resumed):
 @pytest.mark.parametrize("args, world_size, flag", [
     (["--ep", "3"], 4, "--ep"),
     (["--num-experts", "6", "--ep", "4"], 4, "--num-experts"),
-    (["--top-k", "5"], 2, "--top-k"),  # 4 experts
+    (["--top-k", "9"], 2, "--top-k"),  # 8 experts
     (["--capacity-factor", "-1"], 2, "--capacity-factor"),
     (["--check-parity", "--mixed-precision", "bf16"], 2, "--check-parity"),
 ])
