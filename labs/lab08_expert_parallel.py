@@ -1212,7 +1212,10 @@ class GroupedExperts(nn.Module):
 
 
 def capacity(num_tokens, capacity_factor, num_experts, top_k):
-    """Routing choices one expert takes from one micro-batch (None: no cap)."""
+    """Routing choices one expert takes from one rank's micro-batch (None: no cap). Per
+    rank, so the choices over the cap are dropped before they travel; the trade-off is that
+    another world size drops other tokens (a resume at another world size with a cap is not
+    the run it continues, though the one-process reference still matches each layout)."""
     if not capacity_factor:
         return None
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
@@ -1291,8 +1294,8 @@ def dispatch_and_combine(rows, kept, experts, group):
 class MoEFeedForward(nn.Module):
     """Top-k mixture of SwiGLU experts in place of the block's MLP. The router is a dense
     parameter; the experts are ep-sharded by apply_expert_parallel(). After forward,
-    `aux_loss` holds this micro-batch's balancing loss and `routed` its counts per expert
-    (before the cap, and kept), for train_step() to read."""
+    `aux_loss` holds this rank's share of the balancing loss (see balancing_loss()) and
+    `routed` its counts per expert (before the cap, and kept), for train_step() to read."""
 
     def __init__(self, cfg):
         super().__init__()
