@@ -10,7 +10,7 @@ LABS = Path(__file__).resolve().parents[1] / "labs"
 REGION = re.compile(r"^# --8<-- \[start:(\w+)\]\n(.*?)^# --8<-- \[end:\1\]\n", re.S | re.M)
 REQUIRED = {"cli", "setup", "model", "data", "metrics", "faults", "schedule", "main"}
 MESH_LABS = {"lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline", "lab05_3d",
-             "lab07_context_parallel"}  # the labs that build a mesh
+             "lab07_context_parallel", "lab08_expert_parallel"}  # the labs that build a mesh
 
 
 def regions(path):
