@@ -53,6 +53,7 @@ def parse(page):
 
 def broken_links(site_dir):
     pages = {p: parse(p) for p in site_dir.rglob("*.html")}
+    parsed_targets = {}
     broken = []
     for page, parsed in pages.items():
         for href in parsed.links:
@@ -70,7 +71,9 @@ def broken_links(site_dir):
             if not target.exists():
                 broken.append(f"{page.relative_to(site_dir)} -> {href}")
             elif url.fragment and target.suffix == ".html":
-                if url.fragment not in pages.get(target, parse(target)).ids:
+                if target not in parsed_targets:  # parse each page once, not once per link
+                    parsed_targets[target] = pages.get(target) or parse(target)
+                if url.fragment not in parsed_targets[target].ids:
                     broken.append(f"{page.relative_to(site_dir)} -> {href} (no such anchor)")
     return broken
 
