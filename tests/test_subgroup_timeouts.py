@@ -69,6 +69,8 @@ STALLED_LAYOUTS = {
     "lab03_tp_fsdp": ["--tp", "2"],         # (dp, tp) = (2, 2)
     "lab04_pipeline": ["--dp", "2"],        # (dp, pp) = (2, 2)
     "lab05_3d": ["--pp", "1", "--dp", "2", "--tp", "2"],  # (pp, dp, tp) = (1, 2, 2)
+    "lab07_context_parallel": ["--cp", "2"],  # (dp, cp) = (2, 2): the ring's p2p on cp
+    "lab08_expert_parallel": ["--ep", "2"],   # (dp, ep) = (2, 2): the all-to-alls on ep
 }
 
 
