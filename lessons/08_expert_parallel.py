@@ -335,9 +335,37 @@ for p, ranks in ep_runs.items():
 #   the router scores for the top-k choice only (`load_balance_coeff`, auxiliary-loss-free
 #   balancing, arXiv:2408.15664, as in DeepSeek-V3) instead of an auxiliary loss;
 # - its experts are DTensors on an `ep` mesh axis, composed with FSDP and TP, where this
-#   lesson passes plain tensors and a process group.
+#   lesson passes plain tensors and a process group (lab08, next, does the DTensor and FSDP
+#   part).
 #
 # **GPU only, not executed in CI**: torchtitan's MoE on NCCL; the course has not run it.
+
+# %% [markdown]
+# ## In a whole model: lab08
+#
+# The lab trains the course's model with an MoE layer in place of every block's MLP (8
+# experts, top-2), its experts spread over the "ep" axis of a ("dp", "ep") mesh and composed
+# with FSDP2. The experts are DTensors, `Shard(0)` on "ep" (whole experts per rank), so a
+# checkpoint keys them by their whole-model names and resumes on any layout; `fully_shard`
+# splits their rows over "dp", and shards the dense layers over all ranks. Two details this
+# lesson did not need:
+#
+# - **The experts' gradient divide factor.** On an ep rank, an expert's gradient already sums
+#   the loss of every rank in its ep group: the backward all-to-all brings it home. FSDP then
+#   reduces it over "dp" only, so the lab divides by dp x ep, the world size
+#   (`set_gradient_divide_factor`), not by dp. With the default factor the parameters still
+#   land near one process's, because AdamW divides each gradient by its own running scale;
+#   that is why the lab also compares each step's gradient norm with one process.
+# - **A global balancing loss.** The counts are all-reduced over every rank, so the loss's
+#   value does not depend on how the batch is split, and a run resumed at another world size
+#   still matches one process.
+#
+# Its `--check-parity` compares every parameter, each step's gradient norm and every
+# expert's load with one process training the same batches:
+#
+# ```bash
+# torchrun --standalone --nproc-per-node 4 labs/lab08_expert_parallel.py --ep 2 --check-parity
+# ```
 
 # %% [markdown]
 # ## Summary

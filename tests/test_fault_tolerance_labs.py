@@ -1,4 +1,5 @@
-"""Kill a rank, crash mid-checkpoint, preempt a job: the FSDP, 2D and pipeline labs lose nothing.
+"""Kill a rank, crash mid-checkpoint, preempt a job: every lab that checkpoints with DCP loses
+nothing.
 
 The same scenarios as test_fault_tolerance.py (lab01), for the labs that checkpoint with
 torch.distributed.checkpoint. Their checkpoints are sharded directories, so the comparison
@@ -13,7 +14,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from launcher import LABS, PYTHON, free_port, preempt_lab, run, run_lab
 
-LABS_WITH_DCP = ["lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline", "lab05_3d"]
+LABS_WITH_DCP = ["lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline", "lab05_3d",
+                 "lab07_context_parallel", "lab08_expert_parallel"]
 ARGS = ["--steps", "8"]
 PREEMPTED_EXIT_CODE = 75
 
