@@ -134,6 +134,15 @@ def run_lab(lab, nproc, args=(), tmp_path=None, timeout=180, env=None, check=Tru
     return proc, metrics
 
 
+def refusal_lines(lab, args, world_size, timeout=120):
+    """Start labs/<lab>.py as one process of a `world_size` job (WORLD_SIZE set, no torchrun):
+    a layout it must refuse exits 2 before any process group starts. Returns stderr's lines."""
+    proc = run([PYTHON, str(LABS / f"{lab}.py"), *map(str, args)],
+               env={"WORLD_SIZE": str(world_size)}, check=False, timeout=timeout)
+    assert proc.returncode == 2, proc.stderr
+    return proc.stderr.strip().splitlines()
+
+
 _SHARED_RUNS = {}
 
 
