@@ -1380,12 +1380,14 @@ def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, probe=
     return total_loss, data_s
 
 
+# --8<-- [start:checkpoint]
 def checkpoint_path(directory, step):
     return Path(directory) / f"step_{step:08d}"
 
 
 def complete_checkpoints(directory):
-    """step_* directories (never *.tmp) that hold DCP's .metadata, oldest first."""
+    """step_* directories (never *.tmp) that hold DCP's .metadata, oldest first. The
+    coordinator writes .metadata last, and a directory loses its .tmp only once complete."""
     return sorted(p for p in Path(directory).glob("step_*") if p.suffix != ".tmp"
                   and (p / ".metadata").exists()) if directory else []
 
@@ -1395,23 +1397,17 @@ def latest_checkpoint(directory):
     return found[-1] if found else None
 
 
-def checkpoint_state(cfg, model, optimizer, step, rank):
-    # Sharded state dicts: each rank contributes its DTensor shards; DCP records the global
-    # layout, so a different world size can load them (it reads only the slices it needs).
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state, "step": step,
-            "data": {"samples_seen": step * cfg.batch_size}, f"rng_rank{rank}": torch.get_rng_state()}
-
-
-def save_checkpoint(cfg, model, optimizer, step, rank):
-    """Every rank writes its shards into step_N.tmp; rank 0 renames it to step_N only after
-    all ranks finished, so a crash mid-save leaves a .tmp that resume never looks at."""
+def save_checkpoint_atomically(cfg, state, step, rank):
+    """Every rank writes its shards of `state` into step_N.tmp; rank 0 renames it to step_N
+    only after all ranks finished, so a crash mid-save leaves a .tmp that resume never looks
+    at. Keeps the newest two checkpoints."""
     final = checkpoint_path(cfg.checkpoint_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
-    dist.barrier()
-    dcp.save(checkpoint_state(cfg, model, optimizer, step, rank), checkpoint_id=tmp)
+        final.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()  # nobody writes into tmp while rank 0 may still be clearing it
+    dcp.save(state, checkpoint_id=tmp)
     dist.barrier()  # every rank's files, and rank 0's .metadata, are on disk (fsynced by DCP)
     if rank == 0:
         maybe_crash_mid_checkpoint(cfg, step)  # lean: drop
@@ -1423,7 +1419,20 @@ def save_checkpoint(cfg, model, optimizer, step, rank):
         os.close(fd)
         for old in complete_checkpoints(final.parent)[:-2]:
             shutil.rmtree(old)
-    dist.barrier()
+    dist.barrier()  # nobody races ahead (or reads) while rank 0 is renaming
+# --8<-- [end:checkpoint]
+
+
+def checkpoint_state(cfg, model, optimizer, step, rank):
+    # Sharded state dicts: each rank contributes its DTensor shards; DCP records the global
+    # layout, so a different world size can load them (it reads only the slices it needs).
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state, "step": step,
+            "data": {"samples_seen": step * cfg.batch_size}, f"rng_rank{rank}": torch.get_rng_state()}
+
+
+def save_checkpoint(cfg, model, optimizer, step, rank):
+    save_checkpoint_atomically(cfg, checkpoint_state(cfg, model, optimizer, step, rank), step, rank)
 
 
 def load_checkpoint(cfg, model, optimizer, rank):

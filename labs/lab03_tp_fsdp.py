@@ -1417,37 +1417,55 @@ def clip_grad_norm_(parameters, max_norm):
     return total_norm
 
 
+# --8<-- [start:checkpoint]
 def checkpoint_path(directory, step):
     return Path(directory) / f"step_{step:08d}"
 
 
+def complete_checkpoints(directory):
+    """step_* directories (never *.tmp) that hold DCP's .metadata, oldest first. The
+    coordinator writes .metadata last, and a directory loses its .tmp only once complete."""
+    return sorted(p for p in Path(directory).glob("step_*") if p.suffix != ".tmp"
+                  and (p / ".metadata").exists()) if directory else []
+
+
 def latest_checkpoint(directory):
-    """Newest complete checkpoint: step_NNNNNNNN directories appear only by rename after DCP
-    wrote every shard and its .metadata; half-written ones end in .tmp and never match."""
-    found = sorted(p for p in Path(directory).glob("step_" + "?" * 8)
-                   if (p / ".metadata").is_file()) if directory else []
+    found = complete_checkpoints(directory)
     return found[-1] if found else None
 
 
-def save_checkpoint(cfg, model, optimizer, step, rank):
+def save_checkpoint_atomically(cfg, state, step, rank):
+    """Every rank writes its shards of `state` into step_N.tmp; rank 0 renames it to step_N
+    only after all ranks finished, so a crash mid-save leaves a .tmp that resume never looks
+    at. Keeps the newest two checkpoints."""
     final = checkpoint_path(cfg.checkpoint_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a run that died mid-save
-    dist.barrier()
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+        final.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()  # nobody writes into tmp while rank 0 may still be clearing it
+    dcp.save(state, checkpoint_id=tmp)
+    dist.barrier()  # every rank's files, and rank 0's .metadata, are on disk (fsynced by DCP)
+    if rank == 0:
+        maybe_crash_mid_checkpoint(cfg, step)  # lean: drop
+        shutil.rmtree(final, ignore_errors=True)  # a rerun that saves the same step again
+        record_batch_size(cfg)
+        os.replace(tmp, final)  # atomic rename of the whole directory
+        fd = os.open(final.parent, os.O_RDONLY)
+        os.fsync(fd)  # make the rename itself durable
+        os.close(fd)
+        for old in complete_checkpoints(final.parent)[:-2]:
+            shutil.rmtree(old)
+    dist.barrier()  # nobody races ahead (or reads) while rank 0 is renaming
+# --8<-- [end:checkpoint]
+
+
+def save_checkpoint(cfg, model, optimizer, step, rank):
     # Every rank writes only its own shards (no gather to rank 0); the file names record each
     # shard's global offsets, so any other mesh shape can load it. RNG state is not saved:
     # nothing here draws random numbers after init, and the data order is a function of step.
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    if rank == 0:  # dcp.save returns on every rank only after rank 0 wrote .metadata
-        maybe_crash_mid_checkpoint(cfg, step)  # lean: drop
-        shutil.rmtree(final, ignore_errors=True)
-        record_batch_size(cfg)
-        os.replace(tmp, final)  # atomic: readers see no directory or a complete one
-        for old in sorted(final.parent.glob("step_" + "?" * 8))[:-2]:
-            shutil.rmtree(old)
-    dist.barrier()  # nobody races ahead while rank 0 is still renaming
+    save_checkpoint_atomically(cfg, {"model": model_state, "optim": optim_state}, step, rank)
 
 
 def load_checkpoint(cfg, model, optimizer, rank):

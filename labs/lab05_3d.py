@@ -1624,20 +1624,47 @@ def check_parity(cfg, stages, first_grads, losses, mesh):
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys per parameter
 
 
+# --8<-- [start:checkpoint]
 def checkpoint_path(directory, step):
     return Path(directory) / f"step_{step:08d}"
 
 
 def complete_checkpoints(directory):
-    """Complete checkpoints, oldest first: step_* directories holding DCP's .metadata (written
-    last, by the coordinator), renamed from *.tmp only after every rank finished writing."""
-    return sorted(p for p in Path(directory).glob("step_*")
-                  if p.suffix != ".tmp" and (p / ".metadata").exists())
+    """step_* directories (never *.tmp) that hold DCP's .metadata, oldest first. The
+    coordinator writes .metadata last, and a directory loses its .tmp only once complete."""
+    return sorted(p for p in Path(directory).glob("step_*") if p.suffix != ".tmp"
+                  and (p / ".metadata").exists()) if directory else []
 
 
 def latest_checkpoint(directory):
-    found = complete_checkpoints(directory) if directory else []
+    found = complete_checkpoints(directory)
     return found[-1] if found else None
+
+
+def save_checkpoint_atomically(cfg, state, step, rank):
+    """Every rank writes its shards of `state` into step_N.tmp; rank 0 renames it to step_N
+    only after all ranks finished, so a crash mid-save leaves a .tmp that resume never looks
+    at. Keeps the newest two checkpoints."""
+    final = checkpoint_path(cfg.checkpoint_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+        final.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()  # nobody writes into tmp while rank 0 may still be clearing it
+    dcp.save(state, checkpoint_id=tmp)
+    dist.barrier()  # every rank's files, and rank 0's .metadata, are on disk (fsynced by DCP)
+    if rank == 0:
+        maybe_crash_mid_checkpoint(cfg, step)  # lean: drop
+        shutil.rmtree(final, ignore_errors=True)  # a rerun that saves the same step again
+        record_batch_size(cfg)
+        os.replace(tmp, final)  # atomic rename of the whole directory
+        fd = os.open(final.parent, os.O_RDONLY)
+        os.fsync(fd)  # make the rename itself durable
+        os.close(fd)
+        for old in complete_checkpoints(final.parent)[:-2]:
+            shutil.rmtree(old)
+    dist.barrier()  # nobody races ahead (or reads) while rank 0 is renaming
+# --8<-- [end:checkpoint]
 
 
 def pipeline_state(modules, optimizers):
@@ -1650,23 +1677,7 @@ def pipeline_state(modules, optimizers):
 
 
 def save_checkpoint(cfg, modules, optimizers, step, rank):
-    final = checkpoint_path(cfg.checkpoint_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
-        final.parent.mkdir(parents=True, exist_ok=True)
-    dist.barrier()  # nobody writes into tmp while rank 0 may still be clearing it
-    # dcp.save is collective: it returns after the coordinator wrote .metadata, which it
-    # does only once every rank has reported its files written.
-    dcp.save(pipeline_state(modules, optimizers)[1], checkpoint_id=tmp)
-    if rank == 0:
-        maybe_crash_mid_checkpoint(cfg, step)  # lean: drop
-        shutil.rmtree(final, ignore_errors=True)
-        record_batch_size(cfg)
-        os.replace(tmp, final)  # atomic: readers see no checkpoint or a complete one
-        for old in complete_checkpoints(cfg.checkpoint_dir)[:-2]:
-            shutil.rmtree(old)
-    dist.barrier()  # nobody races ahead (or reads) while rank 0 is renaming
+    save_checkpoint_atomically(cfg, pipeline_state(modules, optimizers)[1], step, rank)
 
 
 def load_checkpoint(cfg, modules, optimizers, rank):

@@ -11,6 +11,7 @@ REGION = re.compile(r"^# --8<-- \[start:(\w+)\]\n(.*?)^# --8<-- \[end:\1\]\n", r
 REQUIRED = {"cli", "setup", "model", "data", "metrics", "faults", "schedule", "main"}
 MESH_LABS = {"lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline", "lab05_3d",
              "lab07_context_parallel", "lab08_expert_parallel"}  # the labs that build a mesh
+DCP_LABS = MESH_LABS  # the labs that checkpoint with torch.distributed.checkpoint
 
 
 def regions(path):
@@ -47,6 +48,16 @@ def test_every_lab_with_a_mesh_builds_it_in_the_shared_region(lab):
     source = lab.read_text()
     assert ("mesh" in regions(lab)) == (lab.stem in MESH_LABS)
     assert "init_device_mesh(" not in source
+
+
+@pytest.mark.parametrize("lab", lab_paths(), ids=lambda p: p.stem)
+def test_every_dcp_lab_commits_its_checkpoints_in_the_shared_region(lab):
+    """The tmp-then-rename protocol lives in one region, so the fault-tolerance runs of one DCP
+    lab (tests/test_fault_tolerance_labs.py) exercise every lab's copy of it."""
+    held = regions(lab)
+    assert ("checkpoint" in held) == (lab.stem in DCP_LABS)
+    if lab.stem in DCP_LABS:
+        assert "dcp.save(" not in lab.read_text().replace(held["checkpoint"], "")
 
 
 def test_the_check_catches_a_drifted_mesh_region(tmp_path):

@@ -1,8 +1,9 @@
-"""Copy the shared regions of labs/lab01_ddp.py into every other lab.
+"""Copy each shared region from the first lab that holds it into every other lab.
 
-Labs are copied alone by learners, so the shared code (cli, setup, model, data, metrics, faults)
-is duplicated on purpose; edit it in lab01, run this, and tests/test_shared_regions.py stays
-green. Usage: python tools/sync_regions.py [--check]
+Labs are copied alone by learners, so the shared code (cli, setup, model, data, metrics, faults,
+...) is duplicated on purpose. Edit a region in the first lab that has it (lab01 for most; lab02
+for mesh and checkpoint, which only the labs that build a mesh or use DCP need), run this, and
+tests/test_shared_regions.py stays green. Usage: python tools/sync_regions.py [--check]
 """
 
 import re
@@ -18,8 +19,10 @@ def synced(text, source_regions):
 
 
 def main():
-    source = (LABS / "lab01_ddp.py").read_text()
-    regions = {m.group(1): m.group(0) for m in REGION.finditer(source)}
+    regions = {}
+    for lab in sorted(LABS.glob("lab[0-9][0-9]_*.py")):
+        for m in REGION.finditer(lab.read_text()):
+            regions.setdefault(m.group(1), m.group(0))
     stale = []
     for lab in sorted(LABS.glob("lab[0-9][0-9]_*.py")):
         text = lab.read_text()
