@@ -210,7 +210,7 @@ def test_lab_lesson_and_decision_guide_put_pp_across_nodes():
     assert '("pp", "dp")' in source and '("dp", "pp")' not in source
     lesson = (REPO / "lessons" / "04_pipeline.py").read_text()
     assert "PP outermost across nodes" in lesson and '("pp", "dp")' in lesson
-    guide = (REPO / "tools" / "decision_guide.py").read_text()
+    guide = (REPO / "tools" / "templates" / "which-parallelism.md").read_text()
     assert "**Pipeline parallel** ([lab04](../labs/lab04_pipeline.md)) across nodes" in guide
 
 
