@@ -63,7 +63,7 @@ gpu-check:
 	$(PY) tools/gpu_check.py
 
 site: deps
-	$(PY) -m mkdocs build --strict
+	$(PY) tools/build_site.py
 
 # The copy of each lab a project keeps: build/lean/labNN_*.py, without the teaching and drill
 # code (the marked regions; tools/lean.py). Same losses as the full lab, bit for bit.

@@ -15,7 +15,7 @@ Checkpoints are DCP, keyed by the whole model's names: save on one layout, resum
 Launch (the same file everywhere; the backend follows the hardware):
     torchrun --nproc-per-node 8 labs/lab05_3d.py --check-parity     # auto: pp 2 x dp 2 x tp 2
     torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 1 --dp 2 --tp 4 --check-parity
-    torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 4 --dp 1 --tp 2 \
+    torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 4 --dp 1 --tp 2 \\
         --schedule Interleaved1F1B --check-parity                      # 8 stages on 4 pp ranks
     python labs/lab05_3d.py                                         # one process: 1 x 1 x 1
     # two nodes of 8 GPUs (run on each; same --rdzv-id everywhere; --checkpoint-dir must be on

@@ -60,3 +60,13 @@ def test_course_summary_reports_mfu_against_its_peak():
     assert "| MFU " in table.splitlines()[0]
     assert "19.8% of CPU matmul peak" in table and "41.2% of H100-80GB datasheet" in table
     assert "n/a (no GPU_SPECS entry for X)" in table
+
+
+@pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
+def test_docstring_commands_keep_their_line_continuations(lab_path):
+    """In a non-raw docstring a single trailing backslash joins two lines of a command into
+    one; the page and --help would show a command nobody can paste. Write it as two."""
+    source = lab_path.read_text()
+    docstring = source[:source.index('"""', 3)]
+    joined = [line for line in docstring.splitlines() if re.search(r"(?<!\\)\\$", line)]
+    assert joined == []

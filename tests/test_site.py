@@ -24,11 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
+    """Both editions, as `make site` builds them: English here, the Chinese one in zh/."""
     out = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run([sys.executable, "tools/build_site.py", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(f"site build: {proc.stdout.strip()}")  # the build time of each language
     return out
 
 
@@ -78,11 +79,57 @@ def broken_links(site_dir):
     return broken
 
 
-def test_every_section_is_built(site):
-    assert (site / "index.html").exists()
-    assert (site / "lessons" / "01_ddp.html").exists()
-    assert (site / "labs" / "lab01_ddp.html").exists()
-    assert (site / "runbooks" / "index.html").exists()
+@pytest.mark.parametrize("edition", ["", "zh"])
+def test_every_section_is_built(site, edition):
+    root = site / edition
+    assert (root / "index.html").exists()
+    assert (root / "lessons" / "01_ddp.html").exists()
+    assert (root / "labs" / "lab01_ddp.html").exists()
+    assert (root / "runbooks" / "index.html").exists()
+
+
+def html_pages(root):
+    """The pages of one edition (the English site's zh/ folder is the other edition)."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.html")
+                  if p.relative_to(root).parts[0] != "zh")
+
+
+def test_both_editions_have_the_same_pages(site):
+    english, chinese = html_pages(site), html_pages(site / "zh")
+    assert len(english) >= 30 and english == chinese
+
+
+def switcher_links(page):
+    return dict(re.findall(r'<a href="([^"]*)" hreflang="(en|zh)"', page.read_text()))
+
+
+@pytest.mark.parametrize("edition, other", [("", "zh"), ("zh", "")])
+def test_every_page_switches_to_the_same_page_in_the_other_language(site, edition, other):
+    """The language selector of each page leads to its counterpart, by a relative link (so
+    it works from file:// too). 404.html has none: it is served from any path."""
+    wrong = []
+    for path in html_pages(site / edition):
+        if path == "404.html":
+            continue
+        links = {lang: href for href, lang in switcher_links(site / edition / path).items()}
+        target = (site / edition / path).parent / links.get(other or "en", "missing")
+        if "://" in links.get(other or "en", "") or target.resolve() != (site / other / path):
+            wrong.append(f"{edition or 'en'}/{path} -> {links}")
+    assert wrong == []
+
+
+def test_a_chinese_lesson_has_the_english_code_and_outputs(site):
+    """Executed once: the Chinese lesson is the English notebook with translated prose."""
+    english = json.loads((REPO / "build" / "executed" / "lessons" / "01_ddp.ipynb").read_text())
+    chinese = json.loads((REPO / "build" / "executed-zh" / "lessons" / "01_ddp.ipynb").read_text())
+    code = [(c["source"], c.get("outputs")) for c in english["cells"] if c["cell_type"] == "code"]
+    assert code == [(c["source"], c.get("outputs")) for c in chinese["cells"]
+                    if c["cell_type"] == "code"]
+    assert any(c["cell_type"] == "code" and c.get("outputs") for c in chinese["cells"])
+    page = (site / "zh" / "lessons" / "01_ddp.html").read_text()
+    assert "data:image/png;base64" in page and "done | lab01_ddp | gloo x2" in page
+    assert "为什么" in page or "数据并行" in page  # the prose is the Chinese one
+    assert 'id="buckets-and-no_sync-counting-the-all-reduces"' in page  # the English anchor
 
 
 def test_no_broken_internal_links_or_anchors(site):
@@ -162,18 +209,21 @@ def test_numbered_lists_render_as_one_list_item_per_number(site):
 
 
 def accidental_headings(markdown):
-    """Prose lines that start with "#<digit>" (an issue number wrapped onto a new line):
-    Markdown renders each as a heading."""
+    """Prose lines, or list items, that start with "#<digit>" (an issue number wrapped onto a
+    new line, or opening a bullet): Markdown renders each as a heading."""
     prose = re.sub(r"^ *```.*?^ *```", "", markdown, flags=re.S | re.M)
-    return re.findall(r"^#\d.*$", prose, re.M)
+    return re.findall(r"^(?: *(?:[-*+]|\d+\.) +)?#\d.*$", prose, re.M)
 
 
 def test_no_issue_number_wraps_into_a_heading():
-    pages = [*sorted((REPO / "runbooks").glob("*.md")), *sorted((REPO / "docs").rglob("*.md"))]
-    found = {p.name: accidental_headings(p.read_text()) for p in pages}
+    pages = [*sorted((REPO / "runbooks").glob("*.md")), *sorted((REPO / "docs").rglob("*.md")),
+             *sorted((REPO / "i18n").rglob("*.md"))]
+    found = {str(p.relative_to(REPO)): accidental_headings(p.read_text()) for p in pages}
     assert {name: lines for name, lines in found.items() if lines} == {}
     assert accidental_headings("see PR\n#142260, merged\n```\n#0 frame\n```\n") == [
         "#142260, merged"]
+    assert accidental_headings("- #8 FSDP1 has no DTensor\n- *#9* fine\n") == [
+        "- #8 FSDP1 has no DTensor"]
 
 
 def test_list_check_catches_a_list_broken_by_a_code_block():
@@ -183,6 +233,48 @@ def test_list_check_catches_a_list_broken_by_a_code_block():
     assert rendered_numbered_items(broken_html) == 1
     nested = "<ol><li>a<ol><li>x</li></ol></li><li>b</li></ol>"
     assert rendered_numbered_items(nested) == 2
+
+
+CHINESE_SEARCHES = [  # (a query as a Chinese reader types it, the page that must come first)
+    ("显存不足", "runbooks/oom-reading-the-error"),  # CUDA out of memory
+    ("流水线气泡", "lessons/04_pipeline"),  # pipeline bubble
+    ("死锁", "runbooks/collective-timeout"),  # a hang, as Chinese posts usually call it
+    ("梯度累积", "reference/wrong-advice"),  # the gradient accumulation myth
+]
+
+
+@pytest.mark.parametrize("query, expected", CHINESE_SEARCHES)
+def test_chinese_search_finds_the_chinese_page_first(browser, served_site, query, expected):
+    """The Chinese edition's search (jieba segments its index at build time) ranks the right
+    Chinese page first."""
+    page = search(browser, f"{served_site}/zh", query)
+    first = page.locator(".md-search-result__item > a").first
+    first.wait_for(state="visible", timeout=15000)
+    href = first.get_attribute("href")
+    assert f"/zh/{expected}.html" in href, href
+
+
+def test_the_language_selector_leads_to_the_chinese_page(browser, served_site):
+    page = browser.new_page()
+    page.goto(f"{served_site}/lessons/01_ddp.html")
+    page.locator(".md-select button").first.hover()
+    page.locator("a.md-select__link[hreflang='zh']").click()
+    page.wait_for_url("**/zh/lessons/01_ddp.html")
+    assert "数据并行" in page.inner_text("body") or "为什么" in page.inner_text("body")
+    assert "done | lab01_ddp | gloo x2" in page.inner_text("body")
+
+
+def test_the_chinese_site_works_from_file_urls(browser, site):
+    """Opened as a folder of files, with no server: pages, plots and the selector work."""
+    page = browser.new_page()
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto((site / "zh" / "lessons" / "01_ddp.html").as_uri())
+    plot = page.locator("img[src^='data:image/png']").first
+    plot.wait_for(state="visible", timeout=15000)
+    english = page.locator("a.md-select__link[hreflang='en']").get_attribute("href")
+    assert (site / "zh" / "lessons" / english).resolve() == site / "lessons" / "01_ddp.html"
+    assert errors == []
 
 
 def test_lesson_page_shows_executed_outputs(site):

@@ -23,6 +23,7 @@ import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
 import decision_guide  # noqa: E402  (tools/decision_guide.py)
 import error_index  # noqa: E402  (tools/error_index.py)
 import lean  # noqa: E402  (tools/lean.py)
+import site_i18n  # noqa: E402  (tools/site_i18n.py: the Chinese edition)
 import verified  # noqa: E402  (tools/verified.py)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def docstring(path):
     return (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
 
 
-_GUIDE = re.compile(r"^Use it in your project:\n((?:  .*(?:\n|$))+)", re.M)
+_GUIDE = re.compile(r"^(?:Use it in your project:|在你的项目中使用：)\n((?:  .*(?:\n|$))+)", re.M)
 
 
 def project_guide(doc):
@@ -48,7 +49,8 @@ def project_guide(doc):
     if not match:
         return None, doc
     lines = [line[2:] for line in match.group(1).rstrip().splitlines()]
-    guide = re.sub(r"^- (Replace|Keep|Pitfalls):", r"- **\1:**", "\n".join(lines), flags=re.M)
+    guide = re.sub(r"^- (Replace|Keep|Pitfalls|替换|保留|陷阱)(:|：)", r"- **\1\2**",
+                   "\n".join(lines), flags=re.M)
     guide = re.sub(r"`?runbooks/([\w-]+)\.md`?", r"[\1](../runbooks/\1.md)", guide)
     return guide, doc[:match.start()] + doc[match.end():]
 
@@ -66,88 +68,153 @@ def plan_example(lab):
     return f"python labs/{lab.name} {' '.join(PLAN_EXAMPLE + extra)}", out.strip()
 
 
-def downloads(lab):
+# The words of the generated lab pages, per language; {placeholders} are filled per lab.
+LAB_PAGE_WORDS = {
+    "en": {
+        "source": "Source: `labs/{name}` (one self-contained file: copy it anywhere with torch "
+                  "installed and run it).",
+        "verified": "Verified", "unverified": "Not verified in this build",
+        "unverified_body": "No run of this lab was recorded (`make test` and `make course` "
+                           "record them).",
+        "gpu_verified": "Verified on GPU", "gpu_unverified": "Not yet verified on a GPU",
+        "gpu_unverified_body": "No `make gpu-check` run is recorded (`verified/gpu-check.jsonl`). "
+                               "The CUDA path is tested on CPU with faked devices "
+                               "(`tests/test_gpu_defaults.py`); nothing here was measured on a GPU.",
+        "download": "Download",
+        "full": "the full lab, {lines} lines, with its parity reference, probes and fault drills.",
+        "lean": "the copy a project keeps, {lines} lines: the same training (its losses equal the "
+                "full lab's bit for bit), without the teaching and drill code. `make lean` writes "
+                "it to `build/lean/`.",
+        "run": "Run it", "guide": "Use it in your project", "plan": "Plan a big run",
+        "plan_body": "What the lab would do on hardware this machine does not have; it starts "
+                     "no process group. Run at build time:",
+        "course_output": "Output of the last `make course` run", "source_heading": "Source",
+        "changed": "What changed since `{previous}`",
+        "changed_body": "Generated at build time; the shared regions (cli, setup, mesh, model, "
+                        "data, metrics, plan, faults, schedule, loop, checkpoint, main) are "
+                        "identical, so the diff is the new technique.",
+        "labs_title": "Labs",
+        "labs_intro": "One torchrun script per lesson; each runs on CPU (gloo) and on GPUs "
+                      "(NCCL) unchanged.",
+        "labs_header": "| lab | what it teaches | command |",
+    },
+    "zh": {
+        "source": "源码：`labs/{name}`（一个自包含的文件：复制到任何装有 torch 的地方即可运行）。",
+        "verified": "已验证", "unverified": "本次构建未验证",
+        "unverified_body": "没有记录到这个实验的运行（`make test` 和 `make course` 会记录）。",
+        "gpu_verified": "已在 GPU 上验证", "gpu_unverified": "尚未在 GPU 上验证",
+        "gpu_unverified_body": "没有记录到 `make gpu-check` 的运行（`verified/gpu-check.jsonl`）。"
+                               "CUDA 路径在 CPU 上用模拟的设备测试（`tests/test_gpu_defaults.py`）；"
+                               "这里没有任何数字是在 GPU 上测得的。",
+        "download": "下载",
+        "full": "完整实验，{lines} 行，包含单进程参考、探针和故障演练。",
+        "lean": "项目中保留的精简版，{lines} 行：训练完全相同（loss 与完整实验逐位相同），"
+                "去掉了教学和演练代码。`make lean` 把它写到 `build/lean/`。",
+        "run": "运行", "guide": "在你的项目中使用", "plan": "规划一次大规模运行",
+        "plan_body": "实验在本机没有的硬件上会怎么做；它不启动任何进程组。构建时运行：",
+        "course_output": "最近一次 `make course` 的输出", "source_heading": "源码",
+        "changed": "相对 `{previous}` 的改动",
+        "changed_body": "构建时生成；共享区域（cli、setup、mesh、model、data、metrics、plan、"
+                        "faults、schedule、loop、checkpoint、main）完全相同，所以 diff 就是新技术本身。",
+        "labs_title": "实验",
+        "labs_intro": "每课一个 torchrun 脚本；每个脚本在 CPU（gloo）和 GPU（NCCL）上不加修改即可运行。",
+        "labs_header": "| 实验 | 教什么 | 命令 |",
+    },
+}
+
+
+def lab_docstring(lab, lang):
+    """The docstring the page shows: the lab's own, or its translation (i18n/zh/labs/)."""
+    if lang == "en":
+        return docstring(lab)
+    return (site_i18n.ZH / "labs" / f"{lab.stem}.md").read_text().strip()
+
+
+def downloads(lab, say):
     """Markdown for the two files a reader can take: the full lab and its lean copy."""
     full, slim = lab.read_text(), lean.lean_source(lab.read_text(), lab.stem)
-    return ["## Download", "",
-            f"- [`{lab.name}`](../downloads/{lab.name}): the full lab, "
-            f"{len(full.splitlines())} lines, with its parity reference, probes and fault drills.",
-            f"- [`{lab.name}`, lean](../downloads/lean/{lab.name}): the copy a project keeps, "
-            f"{len(slim.splitlines())} lines: the same training (its losses equal the full "
-            "lab's bit for bit), without the teaching and drill code. `make lean` writes it "
-            "to `build/lean/`.", ""]
+    return [f"## {say['download']} {{#download}}", "",
+            f"- [`{lab.name}`](../downloads/{lab.name}): "
+            + say["full"].format(lines=len(full.splitlines())),
+            f"- [`{lab.name}`, lean](../downloads/lean/{lab.name}): "
+            + say["lean"].format(lines=len(slim.splitlines())), ""]
 
 
-def lab_page(lab, previous):
-    guide, doc = project_guide(docstring(lab))
+def lab_page(lab, previous, lang="en"):
+    say = LAB_PAGE_WORDS[lang]
+    guide, doc = project_guide(lab_docstring(lab, lang))
     title, _, rest = doc.partition("\n")
     stamp, gpu_stamp = verified.lab_stamp(lab.stem), verified.gpu_stamp(lab.stem)
     plan_cmd, plan_out = plan_example(lab)
     lines = [f"# {title}", "",
-             f"Source: `labs/{lab.name}` (one self-contained file: copy it "
-             "anywhere with torch installed and run it).", "",
-             f"!!! success \"Verified\"\n    {stamp}" if stamp
-             else "!!! warning \"Not verified in this build\"\n    No run of this lab was recorded "
-                  "(`make test` and `make course` record them).", "",
-             f"!!! success \"Verified on GPU\"\n    {gpu_stamp}" if gpu_stamp
-             else "!!! note \"Not yet verified on a GPU\"\n    No `make gpu-check` run is "
-                  "recorded (`verified/gpu-check.jsonl`). The CUDA path is tested on CPU with "
-                  "faked devices (`tests/test_gpu_defaults.py`); nothing here was measured on "
-                  "a GPU.", "",
-             *downloads(lab),
+             say["source"].format(name=lab.name), "",
+             f"!!! success \"{say['verified']}\"\n    {stamp}" if stamp
+             else f"!!! warning \"{say['unverified']}\"\n    {say['unverified_body']}", "",
+             f"!!! success \"{say['gpu_verified']}\"\n    {gpu_stamp}" if gpu_stamp
+             else f"!!! note \"{say['gpu_unverified']}\"\n    {say['gpu_unverified_body']}", "",
+             *downloads(lab, say),
              "```text", rest.strip(), "```", "",
-             "## Run it", "", "```bash", f"torchrun --standalone --nproc-per-node 2 labs/{lab.name}"
-             " --check-parity", "```", ""]
+             f"## {say['run']} {{#run-it}}", "", "```bash",
+             f"torchrun --standalone --nproc-per-node 2 labs/{lab.name} --check-parity", "```", ""]
     if guide:
-        lines += ["## Use it in your project", "", guide, ""]
-    lines += ["## Plan a big run", "", "What the lab would do on hardware this machine does "
-              "not have; it starts no process group. Run at build time:", "", "```bash",
+        lines += [f"## {say['guide']} {{#use-it-in-your-project}}", "", guide, ""]
+    lines += [f"## {say['plan']} {{#plan-a-big-run}}", "", say["plan_body"], "", "```bash",
               plan_cmd, "```", "", "```text", plan_out, "```", ""]
     log = ROOT / "build" / "course" / f"{lab.stem}.log"
     if log.exists():
         output = [line for line in log.read_text().splitlines() if not line.startswith("W")]
-        lines += ["## Output of the last `make course` run", "", "```text", *output[-12:],
-                  "```", ""]
-    lines += ["## Source", "", "```python", f'--8<-- "labs/{lab.name}"', "```", ""]
+        lines += [f"## {say['course_output']} {{#output-of-the-last-make-course-run}}", "",
+                  "```text", *output[-12:], "```", ""]
+    lines += [f"## {say['source_heading']} {{#source}}", "", "```python",
+              f'--8<-- "labs/{lab.name}"', "```", ""]
     if previous is not None:
         diff = difflib.unified_diff(previous.read_text().splitlines(),
                                     lab.read_text().splitlines(),
                                     f"labs/{previous.name}", f"labs/{lab.name}", lineterm="")
-        lines += [f"## What changed since `{previous.name}`", "",
-                  "Generated at build time; the shared regions (cli, setup, mesh, model, data, "
-                  "metrics, plan, faults, schedule, loop, main) are identical, so the diff is "
-                  "the new technique.", "",
+        anchor = "what-changed-since-" + previous.name.replace(".", "")
+        lines += [f"## {say['changed'].format(previous=previous.name)} {{#{anchor}}}", "",
+                  say["changed_body"], "",
                   "```diff", *diff,
                   "```", ""]
     return "\n".join(lines)
 
 
-def labs_index():
-    rows = ["| lab | what it teaches | command |", "|---|---|---|"]
+def labs_index(lang="en"):
+    say = LAB_PAGE_WORDS[lang]
+    rows = [say["labs_header"], "|---|---|---|"]
     for lab in lesson_tools.lab_paths():
-        title = docstring(lab).splitlines()[0]
+        title = lab_docstring(lab, lang).splitlines()[0]
         rows.append(f"| [{lab.stem}]({lab.stem}.md) | {title} | "
                     f"`torchrun --standalone --nproc-per-node 2 labs/{lab.name}` |")
-    return "# Labs\n\nOne torchrun script per lesson; each runs on CPU (gloo) and on GPUs " \
-           "(NCCL) unchanged.\n\n" + "\n".join(rows) + "\n"
+    return f"# {say['labs_title']}\n\n{say['labs_intro']}\n\n" + "\n".join(rows) + "\n"
 
 
-def torchrun_flags_page():
+TORCHRUN_FLAGS_WORDS = {
+    "en": ("torchrun flags", "| flag | default | what it does |",
+           "Generated at build time from `torch.distributed.run.get_args_parser()`, the parser "
+           "torchrun itself uses. The defaults shown are the parser's; [launching](launching.md) "
+           "explains the ones that are resolved later."),
+    "zh": ("torchrun 参数", "| 参数 | 默认值 | 作用（torch 自带的英文说明） |",
+           "构建时由 `torch.distributed.run.get_args_parser()` 生成，也就是 torchrun 自己使用的"
+           "解析器。表中的默认值是解析器里的；其中运行时才确定的那些，见"
+           "[启动](launching.md)。第三列是 torch 自带的说明，保持英文原文，便于对照 `torchrun --help`。"),
+}
+
+
+def torchrun_flags_page(lang="en"):
     """The flag table straight from the parser torchrun uses, so defaults are never retyped."""
     import torch
     from torch.distributed.run import get_args_parser
 
-    rows = ["| flag | default | what it does |", "|---|---|---|"]
+    title, header, intro = TORCHRUN_FLAGS_WORDS[lang]
+    rows = [header, "|---|---|---|"]
     for action in get_args_parser()._actions:
         if not action.option_strings or "--help" in action.option_strings:
             continue
         flag = " ".join(f"`{o}`" for o in action.option_strings if "_" not in o)
         helptext = " ".join((action.help or "").split()).replace("|", "\\|")
         rows.append(f"| {flag} | `{action.default!r}` | {helptext} |")
-    return (f"# torchrun flags (torch {torch.__version__})\n\nGenerated at build time from "
-            "`torch.distributed.run.get_args_parser()`, the parser torchrun itself uses. The "
-            "defaults shown are the parser's; [launching](launching.md) explains the ones "
-            "that are resolved later.\n\n" + "\n".join(rows) + "\n")
+    return f"# {title} (torch {torch.__version__})\n\n{intro}\n\n" + "\n".join(rows) + "\n"
 
 
 def error_messages_script():
@@ -161,37 +228,86 @@ def add_generated(files, config, src_uri, content):
     files.append(File.generated(config, src_uri, content=content))
 
 
+# The Chinese table words of the decision guide (tools/decision_guide.py's LABELS).
+DECISION_GUIDE_LABELS_ZH = {"fits": "放得下", "too big": "放不下", "does not fit": "放不下",
+                            "to": "至", "comm": "通信", "model": "模型", "GPUs": "GPU 数",
+                            "compute per step at peak": "峰值下每步计算时间",
+                            "tok/s per GPU": "每 GPU tok/s"}
+
+# zh build: the English text of each page (src_uri -> markdown), for the headings' anchors.
+ENGLISH_MARKDOWN = {}
+
+
 @event_priority(100)  # before mkdocs-jupyter turns .ipynb files into pages
 def on_files(files, config):
+    lang = site_i18n.language(config)
+    ENGLISH_MARKDOWN.clear()
     # Real File objects (not File.generated): mkdocs-jupyter 0.26 loses the source path of
     # generated files when it wraps them.
     for lesson in lesson_tools.lesson_paths():
         lesson_tools.ensure_executed(lesson)
-        files.append(File(f"lessons/{lesson.stem}.ipynb", str(lesson_tools.EXECUTED_ROOT),
-                          config.site_dir, config.use_directory_urls))
+        if lang == "en":
+            files.append(File(f"lessons/{lesson.stem}.ipynb", str(lesson_tools.EXECUTED_ROOT),
+                              config.site_dir, config.use_directory_urls))
+        else:  # the English outputs, the Chinese prose: nothing is executed twice
+            site_i18n.zh_notebook(lesson, lesson_tools.executed_path(lesson))
+            files.append(File(f"lessons/{lesson.stem}.ipynb", str(site_i18n.EXECUTED_ZH_ROOT),
+                              config.site_dir, config.use_directory_urls))
     previous = None
     for lab in lesson_tools.lab_paths():
-        add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous))
+        add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous, lang))
         add_generated(files, config, f"downloads/{lab.name}", lab.read_text())
         add_generated(files, config, f"downloads/lean/{lab.name}",
                       lean.lean_source(lab.read_text(), lab.stem))
         previous = lab
-    add_generated(files, config, "labs/index.md", labs_index())
-    add_generated(files, config, "reference/torchrun-flags.md", torchrun_flags_page())
-    add_generated(files, config, "reference/which-parallelism.md", decision_guide.page())
+    add_generated(files, config, "labs/index.md", labs_index(lang))
+    add_generated(files, config, "reference/torchrun-flags.md", torchrun_flags_page(lang))
+    if lang == "en":
+        guide = decision_guide.page()
+    else:
+        guide = decision_guide.page(site_i18n.ZH / "tools" / "templates" / "which-parallelism.md",
+                                    DECISION_GUIDE_LABELS_ZH)
+        ENGLISH_MARKDOWN["reference/which-parallelism.md"] = decision_guide.page()
+    add_generated(files, config, "reference/which-parallelism.md", guide)
     add_generated(files, config, "javascripts/error-messages.js", error_messages_script())
-    for page in [ROOT / "runbooks" / "index.md", *runbook_paths()]:
+    runbooks_root = ROOT if lang == "en" else site_i18n.ZH
+    for page in [runbooks_root / "runbooks" / "index.md", *runbook_paths()]:
+        page = runbooks_root / "runbooks" / page.name
         if page.exists():
-            files.append(File(f"runbooks/{page.name}", str(ROOT), config.site_dir,
+            files.append(File(f"runbooks/{page.name}", str(runbooks_root), config.site_dir,
                               config.use_directory_urls))
+            ENGLISH_MARKDOWN[f"runbooks/{page.name}"] = (ROOT / "runbooks" / page.name).read_text()
+    if lang != "en":
+        for english in (ROOT / "docs").rglob("*"):
+            relative = english.relative_to(ROOT / "docs").as_posix()
+            if english.suffix == ".md":
+                ENGLISH_MARKDOWN[relative] = english.read_text()
+            elif english.is_file() and files.get_file_from_path(relative) is None:
+                files.append(File(relative, str(ROOT / "docs"), config.site_dir,
+                                  config.use_directory_urls))  # the scripts, shared
     return files
 
 
-def runbook_nav_groups():
+def on_page_markdown(markdown, page, config, files):
+    """zh: each heading of a translated page gets the English page's anchor."""
+    english = ENGLISH_MARKDOWN.get(page.file.src_uri)
+    if site_i18n.language(config) == "en" or english is None:
+        return markdown
+    return site_i18n.with_english_anchors(markdown, english, config, page.file.src_uri)
+
+
+def on_page_context(context, page, config, nav):
+    """The language switcher of this page: the same page in each language."""
+    config.extra["alternate"] = site_i18n.alternate_links(page.url, config)
+    return context
+
+
+def runbook_nav_groups(lang="en"):
     """The runbooks in the nav, grouped as runbooks/index.md groups them: one nav section per
     "## " heading there, with the pages its table links, in order. A page the index does not
     link goes in "Not in the index yet" (tests/test_site.py fails on that)."""
-    index = (ROOT / "runbooks" / "index.md").read_text()
+    root = ROOT if lang == "en" else site_i18n.ZH
+    index = (root / "runbooks" / "index.md").read_text()
     groups, placed = [], set()
     for block in re.split(r"^## ", index, flags=re.M)[1:]:
         heading, _, body = block.partition("\n")
@@ -201,19 +317,29 @@ def runbook_nav_groups():
         if pages:
             groups.append({heading.strip(): [f"runbooks/{p}" for p in pages]})
     rest = [f"runbooks/{p.name}" for p in runbook_paths() if p.name not in placed]
-    return groups + ([{"Not in the index yet": rest}] if rest else [])
+    not_indexed = site_i18n.WORDS[lang]["Not in the index yet"]
+    return groups + ([{not_indexed: rest}] if rest else [])
 
 
 def on_config(config):
+    lang, say = site_i18n.language(config), site_i18n.words(config)
+    docs = ROOT / "docs" if lang == "en" else site_i18n.ZH / "docs"
     lessons = [f"lessons/{p.stem}.ipynb" for p in lesson_tools.lesson_paths()]
     labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lesson_tools.lab_paths()]]
-    runbooks = ["runbooks/index.md", *runbook_nav_groups()]
-    reference = sorted([*(f"reference/{p.name}" for p in (ROOT / "docs" / "reference").glob("*.md")),
+    runbooks = ["runbooks/index.md", *runbook_nav_groups(lang)]
+    reference = sorted([*(f"reference/{p.name}" for p in (docs / "reference").glob("*.md")),
                         "reference/torchrun-flags.md", "reference/which-parallelism.md"])
-    onboarding = [{"Start here": "onboarding.md"}] if (ROOT / "docs" / "onboarding.md").exists() else []
-    config.nav = [{"Home": "index.md"}, *onboarding, {"Lessons": lessons}, {"Labs": labs},
-                  {"Runbooks": runbooks}, *([{"Reference": reference}] if reference else [])]
+    onboarding = [{say["Start here"]: "onboarding.md"}] if (docs / "onboarding.md").exists() else []
+    config.nav = [{say["Home"]: "index.md"}, *onboarding, {say["Lessons"]: lessons},
+                  {say["Labs"]: labs}, {say["Runbooks"]: runbooks},
+                  *([{say["Reference"]: reference}] if reference else [])]
     return config
+
+
+def on_template_context(context, template_name, config):
+    """Pages without a page (404.html) are served from any path: no language switcher."""
+    config.extra["alternate"] = []
+    return context
 
 
 # Lessons are written to work in JupyterLab, where a link is a file path
@@ -232,6 +358,7 @@ SEARCH_SETTINGS = {
     "runbooks/collective-timeout.md": {"boost": 2},  # the gloo timeout, also on rank0-busy
     "runbooks/exit-hang.md": {"boost": 2},    # `Connection closed by peer`, quoted on 4 pages
     "runbooks/address-in-use.md": {"boost": 2},
+    "runbooks/oom-reading-the-error.md": {"boost": 4},  # `CUDA out of memory`, on 5 pages
     "runbooks/dataloader-shared-memory.md": {"boost": 2},  # /dev/shm, also on worker-killed
 }
 LAB_PAGE_SEARCH = {"boost": 0.05}  # the whole source and a diff match nearly any query
@@ -249,6 +376,10 @@ def on_page_content(html, page, config, files):
         page.meta["search"] = {**settings, **(page.meta.get("search") or {})}
     if page.file.src_uri.endswith(".ipynb"):
         html = _REPO_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(3) or ""}"', html)
+        if site_i18n.language(config) != "en":  # the English lesson's anchors
+            english = lesson_tools.executed_path(Path(page.file.src_uri).stem + ".py")
+            html = site_i18n.lesson_with_english_anchors(
+                html, page.toc, site_i18n.notebook_heading_ids(english), page.file.src_uri)
         facts = lesson_stamp_facts(page.file.abs_src_path)
         stamp = verified.lesson_stamp(facts) if facts else "No record of the run that executed it."
         stamp_html = f'<p class="verified-stamp"><em>{stamp}</em></p>'

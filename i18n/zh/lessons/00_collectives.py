@@ -1,0 +1,437 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · 进程、rank 与集合通信
+#
+# 后面的每一课（DDP、FSDP、张量并行和流水线并行）本质上都是对少数几种通信调用的不同编排。本课赶在任何封装把它们藏起来之前，先手动把它们调用一遍。
+#
+# 学完本课，你将能够：
+# - 说清 `torchrun` 启动了什么：进程，`RANK` / `LOCAL_RANK` / `WORLD_SIZE` / `MASTER_ADDR` / `MASTER_PORT` 这几个变量，rendezvous（汇合点）store，以及后端；
+# - 预测调用 `broadcast`、`all_reduce`（SUM 和 AVG）、`reduce`、`all_gather`、`reduce_scatter`、`all_to_all`、`send` / `recv` 和 `barrier` 之后，每个 rank 持有什么；
+# - 用 `send` / `recv` 手写环形 all-reduce，并解释为什么每个 rank 只需传输消息的 2(n-1)/n；
+# - 测量 `all_reduce` 的延迟和带宽，并像 nccl-tests 那样解读算法带宽与总线带宽；
+# - 说出 DDP、FSDP、TP 和 PP 分别会发出哪些集合通信。
+
+# %%
+import os, sys, json, subprocess
+from pathlib import Path
+ROOT = Path(os.environ.get("COURSE_ROOT") or next(
+    p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
+sys.path.insert(0, str(ROOT / "lessons"))
+
+import importlib.util
+import inspect
+import tempfile
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+import collective_workers as cw
+from spawn import run_workers
+
+print("torch", torch.__version__, "| CUDA GPUs:", torch.cuda.device_count())
+
+# %% [markdown]
+# ## 为什么
+#
+# 数据并行训练在每个进程里各保留一份模型副本，每次反向传播之后，每份副本都需要所有进程梯度的总和。以一个 10 亿参数、fp32 梯度的模型跑在 8 个进程上为例：每个进程有 4 GB 梯度。最直观的做法是“所有进程都发给 rank 0，rank 0 求和后再发回去”，这样 rank 0 要接收 7 份、发送 7 份，其他 rank 则在空等。环形 all-reduce（下文会手写一个）让每个 rank 发送同样多、而且少得多的数据，这个量几乎与 rank 数无关。下面的代码单元把两种方式都算了一遍。
+
+# %%
+num_params, bytes_per_grad, n = 1_000_000_000, 4, 8
+grad_bytes = num_params * bytes_per_grad
+naive_rank0 = (n - 1) * grad_bytes              # rank 0 receives this much, then sends as much
+ring_per_rank = 2 * (n - 1) / n * grad_bytes    # every rank sends this much, and receives as much
+print(f"gradients: {grad_bytes / 1e9:.0f} GB | through rank 0: rank 0 receives "
+      f"{naive_rank0 / 1e9:.0f} GB and sends {naive_rank0 / 1e9:.0f} GB | "
+      f"ring: every rank sends {ring_per_rank / 1e9:.0f} GB and receives as much")
+assert grad_bytes == 4e9 and naive_rank0 == 28e9 and ring_per_rank == 7e9
+# The busiest rank moves n/2 times fewer bytes with the ring, and the gap grows with n.
+assert naive_rank0 / ring_per_rank == n / 2
+
+# %% [markdown]
+# ## 从零开始
+#
+# ### 进程与 rank
+#
+# 分布式 PyTorch 就是若干个普通的 Python 进程，通常每块 GPU 一个。它们之间不共享任何东西（每个进程有自己的内存、自己的模型、自己的 Python 对象）；它们唯一的协作方式，是以相同的顺序调用相同的通信函数。
+#
+# `torchrun --nproc-per-node N script.py` 在本节点上启动 N 份 `script.py`，并在每个进程中设置以下环境变量：
+#
+# | 变量 | 含义 |
+# |---|---|
+# | `RANK` | 本进程在整个作业中的编号，`0 .. WORLD_SIZE-1` |
+# | `LOCAL_RANK` | 本进程在本节点上的编号：决定它该用哪块 GPU |
+# | `WORLD_SIZE` | 所有节点上的进程总数 |
+# | `LOCAL_WORLD_SIZE` | 本节点上的进程数 |
+# | `MASTER_ADDR`、`MASTER_PORT` | rendezvous store 监听的地址 |
+#
+# `dist.init_process_group()`（默认的 `env://` 方式）读取的就是这些变量。一个小型键值服务器，即 `TCPStore`，在 `MASTER_ADDR:MASTER_PORT` 上监听（由 rank 0 托管；在 torchrun 下则由第一个节点上的 torchrun 进程托管）；每个 rank 都连接到它，并通过它交换各自的网络地址。之后后端（gloo 或 NCCL）才会在 rank 之间建立直连。正因如此，只需一个地址就能在多台机器上启动作业；也正因如此，`MASTER_ADDR` 写错会让每个 rank 都卡在启动阶段等待。
+#
+# 在 notebook 里没法对某个单元运行 `torchrun`，所以由 `lessons/spawn.py` 来做同样的事：它启动 N 个进程，设置这些变量，调用 `init_process_group("gloo")`，并返回每个 rank 上函数的返回值。下面每个 rank 会报告自己看到的内容，还会自己连接 rendezvous store，在一个 key 下写入自己的进程 ID，然后等待其他所有进程的 key。
+
+# %%
+views = run_workers(cw.describe_process, 4, timeout_s=60)
+for v in views:
+    print(f"rank {v['rank']} of {v['world_size']} | pid {v['pid']} | backend {v['backend']} | "
+          f"env {v['env']} | pids read from the store {v['pids_seen']}")
+pids = [v["pid"] for v in views]
+assert len(set(pids)) == 4                                   # four separate processes
+assert [int(v["env"]["RANK"]) for v in views] == [v["rank"] for v in views] == [0, 1, 2, 3]
+assert all(v["world_size"] == 4 and v["env"]["WORLD_SIZE"] == "4" for v in views)
+assert all(v["pids_seen"] == pids for v in views)            # everyone met in the store
+assert len({v["env"]["MASTER_PORT"] for v in views}) == 1    # one address for all ranks
+
+# %% [markdown]
+# ### 后端：CUDA 张量用 NCCL，CPU 张量用 gloo
+#
+# 真正执行通信的是后端。NCCL 用 GPU kernel 在 CUDA 张量上执行集合通信，走 NVLink、PCIe 或 InfiniBand；gloo 则在 CPU 张量上执行，走 TCP。两者的 API 相同，所以本课程的每个实验都是一份文件同时支持两种后端。各实验按一条规则选择：每个 local rank 都有自己的 GPU 时用 CUDA + NCCL，否则用 CPU + gloo。下面就是 `labs/lab01_ddp.py` 中实现这条规则的代码（直接从文件中打印出来，所以正是实际运行的代码）：
+
+# %%
+spec = importlib.util.spec_from_file_location("lab01_ddp", ROOT / "labs" / "lab01_ddp.py")
+lab01 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lab01)          # defines functions only: nothing runs at import
+print(inspect.getsource(lab01.pick_device_type))
+print(inspect.getsource(lab01.init_distributed))
+assert '"nccl"' in inspect.getsource(lab01.init_distributed)
+assert '"gloo"' in inspect.getsource(lab01.init_distributed)
+
+# %% [markdown]
+# 其中有两个细节在 GPU 上很关键。`torch.cuda.set_device(local_rank)` 要放在 `init_process_group` 之前，否则每个 rank 的 NCCL 通信器都会落在 `cuda:0` 上。另外，`timeout` 是显式指定的：如果某个 rank 始终没有加入某次集合通信，到时间后会抛出异常，而不是永远卡死。
+#
+# ### 用 send 和 recv 实现环形 all-reduce
+#
+# `send(tensor, dst)` 和 `recv(tensor, src)` 在两个 rank 之间传输一个张量；接收方必须事先分配好形状和 dtype 都正确的张量。其他所有操作都可以用这两者搭出来。环形 all-reduce 把 n 个 rank 排成一个环，把张量切成 n 块，分两个阶段执行：
+#
+# 1. **reduce-scatter**，共 n-1 步：第 s 步，rank r 把第 (r - s) 块发给右边的邻居，并把从左边收到的第 (r - s - 1) 块累加到自己的对应块上。n-1 步之后，rank r 持有第 (r + 1) 块的完整总和。
+# 2. **all-gather**，共 n-1 步：已完成的块沿环再传一圈，每个接收方用它覆盖自己那份过时的副本。
+#
+# 代码如下，来自 `lessons/collective_workers.py`：
+
+# %%
+print(inspect.getsource(cw.exchange))
+print(inspect.getsource(cw.ring_all_reduce))
+
+# %% [markdown]
+# 每个 rank 同时在发送和接收，所以 `exchange` 用非阻塞的 `isend` 发送：如果所有 rank 都先调用阻塞的 `send`，每个 rank 都可能在等一个同样卡在 `send` 里的邻居，整个环就可能死锁。
+#
+# 为了看清这两个阶段，让 rank r 的每个元素初始值都为 10^r，这样求和结果的各位数字就标明了其中包含哪些 rank（1101 = rank 0、2 和 3）。方格颜色越深，表示累加进来的 rank 越多。`check_ring` 还会在 1000 个随机浮点数和 1000 个随机整数上运行这个环，并与库函数 `dist.all_reduce` 的结果比较。
+
+# %%
+ring = run_workers(cw.check_ring, 4, timeout_s=60)
+trace = [[ring[r]["trace"][step] for r in range(4)] for step in range(len(ring[0]["trace"]))]
+labels = ["start"] + [f"reduce-scatter {s + 1}" for s in range(3)] + [
+    f"all-gather {s + 1}" for s in range(3)]
+cw.draw_ranks("ring all-reduce, 4 ranks: what each rank holds after each step",
+              [(label, rows, "digits") for label, rows in zip(labels, trace)])
+plt.show()
+
+assert len(trace) == 1 + 2 * 3                               # 2(n-1) steps
+after_reduce_scatter = trace[3]
+for r in range(4):  # rank r owns the complete chunk (r + 1) % n after phase 1 ...
+    assert after_reduce_scatter[r][(r + 1) % 4] == 1111
+assert all(torch.equal(row, torch.full((4,), 1111.0, dtype=torch.float64)) for row in trace[-1])
+for r, result in enumerate(ring):  # ... and the full result agrees with the library's
+    print(f"rank {r}: max |ring - dist.all_reduce| = {result['max_abs_diff']:.1e} (floats); "
+          f"integers identical: {result['ints_equal']}; sent {result['bytes_sent']} B "
+          f"of a {result['bytes_total']} B tensor")
+    assert result["ints_equal"] and result["max_abs_diff"] <= 1e-5
+    assert result["bytes_sent"] == 2 * (4 - 1) / 4 * result["bytes_total"]
+
+# %% [markdown]
+# 在整数上，两者的结果完全相同。在浮点数上，最后几位可能不同：环的累加顺序与库的算法不同，而浮点加法不满足结合律。另外，每个 rank 恰好发送了张量字节数的 2(n-1)/n：每个阶段发送 n-1 个大小为 S/n 的块。
+#
+# ### 代价模型
+#
+# 给每一步一个固定开销 alpha（启动一条消息的延迟），并设每个 rank 的发送速率为 B 字节/秒。那么在 n 个 rank 上对 S 字节做环形 all-reduce，耗时为
+#
+#     t(S) = 2(n-1) * alpha  +  2(n-1)/n * S / B
+#
+# 小消息的耗时主要是延迟项，大消息主要是带宽项。带宽项几乎不随 n 增长（2(n-1)/n 始终小于 2），这正是环形 all-reduce 能够扩展的原因；延迟项则随 n 线性增长，所以 NCCL 还实现了树形算法（延迟按 log n 增长），并在每次调用时选择算法。
+#
+# 一次测量可以得出两种带宽，其定义与 [nccl-tests](https://github.com/NVIDIA/nccl-tests/blob/03a204a1f38aaea17f1a777885bb2d9600ba7eff/doc/PERFORMANCE.md) 一致：
+# - **算法带宽** `algbw = S / t`：调用方看到的带宽。对 all-reduce 来说，即使硬件完美，它也会随 n 增大而下降，因为每个 rank 必须传输 2(n-1)/n * S。
+# - **总线带宽** `busbw = algbw x factor`，其中 factor 对 all-reduce 是 2(n-1)/n，对 all-gather、reduce-scatter 和 all-to-all 是 (n-1)/n（S 取 gather 之后的完整大小），对 broadcast 和 reduce 是 1。它消除了对 n 的依赖，所以无论 n 是多少，都可以直接与链路的峰值对比。
+
+# %%
+BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+                "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0}
+# The all-reduce factor is exactly what the ring above sent, per byte of tensor:
+assert BUSBW_FACTOR["all_reduce"](4) == ring[0]["bytes_sent"] / ring[0]["bytes_total"]
+for n in (2, 4, 8, 64):
+    print(f"n={n:3d}: all-reduce busbw = algbw x {BUSBW_FACTOR['all_reduce'](n):.3f}")
+
+# %% [markdown]
+# ## 使用 PyTorch
+#
+# ### 逐个演示集合通信（4 个进程）
+#
+# `run_collectives` 在 4 个 gloo 进程上把每个调用各执行一次。rank r 的初始值为 10r, 10r+1, ...：十位数字和颜色都表示一个值来自哪个 rank。灰色方格是多个 rank 的和；带斜线阴影的行表示调用之后其内容未定义。每个集合通信都必须由组内的**每一个** rank 调用，顺序相同、形状匹配：这是约定，而违反这条约定是最常见的分布式卡死原因。
+
+# %%
+WORLD_SIZE = 4
+results = run_workers(cw.run_collectives, WORLD_SIZE, timeout_s=60)
+initial = [cw.rank_values(r, 4) for r in range(WORLD_SIZE)]
+
+
+def show(name, title, reduced=False):
+    before = [results[r][name][0] for r in range(WORLD_SIZE)]
+    after = [results[r][name][1] for r in range(WORLD_SIZE)]
+    cw.draw_ranks(title, [("before", before, "origin"),
+                          ("after", after, "reduced" if reduced else "origin")])
+    plt.show()
+    return before, after
+
+# %% [markdown]
+# **broadcast**：一个 rank（`src`）把自己的张量发给所有 rank。用于让每个副本都从 rank 0 的权重开始（DDP 包装模型时就会这样做），以及共享配置或随机种子。
+
+# %%
+before, after = show("broadcast", "dist.broadcast(x, src=0)")
+assert all(torch.equal(a, initial[0]) for a in after)
+
+# %% [markdown]
+# **all_reduce**：每个 rank 最终都得到所有 rank 张量逐元素归约的结果，原地写入。`ReduceOp.SUM` 求和；`ReduceOp.AVG` 还会再除以 n，这恰好就是数据并行中的梯度平均。
+
+# %%
+total = sum(initial)
+before, after = show("all_reduce_sum", "dist.all_reduce(x, op=SUM)", reduced=True)
+assert all(torch.equal(a, total) for a in after)
+before, after = show("all_reduce_avg", "dist.all_reduce(x, op=AVG)", reduced=True)
+assert all(torch.allclose(a, total / WORLD_SIZE) for a in after)
+
+# %% [markdown]
+# **reduce**：同样的归约，但只保证 `dst` 拿到结果；之后不要在其他 rank 上读取这个张量（图中带斜线阴影）。适用于只有一个 rank 需要结果的场景，例如要写进日志的 loss。
+
+# %%
+before, after = show("reduce", "dist.reduce(x, dst=0, op=SUM)", reduced=True)
+assert torch.equal(after[0], total) and after[1:] == [None] * (WORLD_SIZE - 1)
+
+# %% [markdown]
+# **all_gather**：每个 rank 贡献一个张量，每个 rank 都按 rank 顺序拿到全部张量。FSDP 在用某一层做计算之前，会先 all-gather 该层的参数分片。
+
+# %%
+before, after = show("all_gather", "dist.all_gather(list_of_n, x)")
+assert all(torch.equal(a, torch.cat(initial)) for a in after)
+
+# %% [markdown]
+# **reduce_scatter**：每个 rank 传入 n 块；rank i 收到所有 rank 第 i 块的归约结果。单独拿出来看，它就是环形 all-reduce 的前半部分，也是 FSDP 的梯度步骤：每个 rank 最终只持有自己负责的那个分片的梯度总和。
+
+# %%
+before, after = show("reduce_scatter", "dist.reduce_scatter(out, list_of_n)", reduced=True)
+column_sums = torch.stack([cw.rank_values(r, WORLD_SIZE) for r in range(WORLD_SIZE)]).sum(0)
+assert all(torch.equal(after[i], column_sums[i:i + 1]) for i in range(WORLD_SIZE))
+
+# %% [markdown]
+# **all_to_all**：rank i 把自己的第 j 块发给 rank j，相当于跨 rank 的转置。混合专家（MoE）用它把每个 token 发到持有对应专家的 rank 上。演示中调用的是单张量形式 `all_to_all_single`，也就是这类代码实际使用的形式。
+
+# %%
+before, after = show("all_to_all", "dist.all_to_all_single(out, x)")
+assert all(torch.equal(after[i], torch.stack(before)[:, i]) for i in range(WORLD_SIZE))
+
+# %% [markdown]
+# **send / recv**：点对点通信。这里每个 rank 把自己的张量传给右边的邻居（环的基本构件）；流水线则用它把激活值从一个阶段传到下一个阶段。
+
+# %%
+before, after = show("send_recv", "isend to rank+1, recv from rank-1")
+assert all(torch.equal(after[r], initial[(r - 1) % WORLD_SIZE]) for r in range(WORLD_SIZE))
+
+# %% [markdown]
+# **barrier**：不传数据，只是一个集合点：所有 rank 到齐之前，谁都不能离开。这里 rank r 在调用它之前先睡眠 0.3 × r 秒。barrier 要少用（例如在 rank 0 读取其他 rank 写的文件之前）；集合通信本身就已经会同步参与其中的各个 rank。
+
+# %%
+arrived = [results[r]["barrier"]["arrived"] for r in range(WORLD_SIZE)]
+left = [results[r]["barrier"]["left"] for r in range(WORLD_SIZE)]
+t0 = min(arrived)
+fig, ax = plt.subplots(figsize=(5, 1.9))
+for r in range(WORLD_SIZE):
+    ax.plot([arrived[r] - t0, left[r] - t0], [r, r], "o-", color="C0")
+ax.axvline(max(arrived) - t0, color="0.6", ls="--", lw=1)
+ax.set(xlabel="seconds", ylabel="rank",
+       title="dist.barrier(): arrive (left dot), leave (right dot)")
+ax.set_yticks(range(WORLD_SIZE))
+ax.invert_yaxis()
+plt.tight_layout()
+plt.show()
+print(f"last arrival after first: {max(arrived) - t0:.3f} s; "
+      f"first departure after last arrival: {min(left) - max(arrived):.4f} s")
+assert min(left) >= max(arrived)        # nobody left before the last rank arrived
+
+# %% [markdown]
+# ### 列表形式与扁平缓冲区形式
+#
+# 上面的 `all_gather` 和 `reduce_scatter` 接受由 n 个张量组成的 Python 列表。两者还各有一种扁平缓冲区形式，读写一个 n 倍大小的连续张量，可以省去拷贝，FSDP 用的就是这种形式。在 torch 2.13 中，它们叫 `dist.all_gather_single` 和 `dist.reduce_scatter_single`（旧名字会发出警告；见下面的折叠框）。
+#
+# <details><summary>版本差异：旧版 torch 有什么不同（读一遍即可，之后可以跳过）</summary>
+#
+# 本课程在 torch 2.13 上测试。`collective_workers.py` 中的辅助函数如何应对旧版本，依据的是相关 pull request 的合并日期（并没有在这些版本上实际运行过）：
+#
+# - 扁平形式在 2.13 之前叫 `all_gather_into_tensor` 和 `reduce_scatter_tensor`。在 2.13 中旧名字仍然可用，但会发出 `FutureWarning`（下面有断言检查），而新名字在更早的版本中不存在，所以辅助函数会选用当前存在的那个名字：`getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor`。
+# - gloo 在 2025 年 3 月加入了 `ReduceOp.AVG`（pytorch PR #149781）和列表形式的 `reduce_scatter`（PR #149869），按日期推算是从 torch 2.8 开始。`cw.all_reduce_avg` 会回退为 SUM 加一次除法，`cw.reduce_scatter_list` 会回退到扁平形式。
+# - 在文档的后端支持表中，列表形式的 `dist.all_to_all` 在 gloo 上标为不支持，而 gloo 从哪个版本开始支持它也无法确定，所以本课程在 CPU 上使用 `all_to_all_single`。
+#
+# all-gather 和 reduce-scatter 的列表形式从未改变过，这也是本课先讲它们的原因。
+# </details>
+
+# %%
+print("flat all-gather used here:", cw.all_gather_single.__name__,
+      "| flat reduce-scatter used here:", cw.reduce_scatter_single.__name__)
+flat_after = [results[r]["all_gather_flat"][1] for r in range(WORLD_SIZE)]
+assert all(torch.equal(a, torch.cat(initial)) for a in flat_after)       # same as the list form
+flat_rs = [results[r]["reduce_scatter_flat"][1] for r in range(WORLD_SIZE)]
+assert all(torch.equal(flat_rs[i], column_sums[i:i + 1]) for i in range(WORLD_SIZE))
+warned = results[0]["old_name_warnings"]
+print("calling dist.all_gather_into_tensor on this torch warned:", warned or "nothing")
+if hasattr(torch.distributed, "all_gather_single"):   # torch >= 2.13
+    assert any(w.startswith("FutureWarning") and "all_gather_single" in w for w in warned)
+
+# %% [markdown]
+# ### 后续各课的并行策略如何使用这些操作
+#
+# | 策略 | 每个 rank 持有什么 | 每个训练步的集合通信 |
+# |---|---|---|
+# | DDP（第 01 课） | 完整模型，batch 的一部分 | 对梯度做 all-reduce（AVG） |
+# | FSDP（第 02 课） | 每个参数的 1/n | 使用前 all-gather 参数，对梯度做 reduce-scatter |
+# | TP（第 03 课） | 每个权重矩阵的一部分 | 层内的 all-reduce（行并行），或 all-gather / reduce-scatter（列并行和序列并行） |
+# | PP（第 04 课） | 几个完整的层 | 前向 send / recv 激活值，反向 send / recv 梯度 |
+#
+# `strategy_patterns` 在一个很小的两层 MLP（float64）上手动实现每种策略，并与单进程中的相同计算对比：DDP 的平均梯度、FSDP 的梯度分片（all-gather 权重分片、反向传播、reduce-scatter 梯度）、张量并行 MLP 的输出（第一层列并行、第二层行并行、一次 all-reduce），以及 4 阶段流水线的输出。
+
+# %%
+print(inspect.getsource(cw.fsdp_pattern))
+diffs = run_workers(cw.strategy_patterns, 4, timeout_s=60)[0]
+for name, diff in diffs.items():
+    print(f"{name:5s} max |distributed - single process| = {diff:.1e}")
+assert set(diffs) == {"DDP", "FSDP", "TP", "PP"} and max(diffs.values()) <= 1e-12
+
+# %% [markdown]
+# ## 动手实验：先 torchrun，再做测量
+#
+# ### torchrun 实际启动了什么
+#
+# 本课没有单独的实验：`lessons/collective_workers.py` 本身也是一个 torchrun 脚本（和各实验一样，只依赖标准库和 torch）。每个 rank 按各实验的规则选择后端，用 `all_gather_object`（作用于 pickle 序列化后的 Python 对象的集合通信）收集所有 rank 的环境变量，对自己的 rank 编号做 all-reduce，最后由 rank 0 把结果写成 JSON。确切的命令如下：
+
+# %%
+out_dir = Path(tempfile.mkdtemp())
+cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+       str(ROOT / "lessons" / "collective_workers.py"), "--out", str(out_dir / "env.json")]
+print("torchrun " + " ".join(cmd[3:]).replace(str(ROOT) + os.sep, ""))
+proc = subprocess.run(cmd, check=True, timeout=300, capture_output=True, text=True,
+                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+print(proc.stdout)
+report = json.loads((out_dir / "env.json").read_text())
+for r, view in enumerate(report["ranks"]):
+    print(f"rank {r}: backend {view['backend']}, device {view['device']}, pid {view['pid']}")
+    print("   ", {k: v for k, v in view["env"].items() if v is not None})
+
+# %%
+envs = [view["env"] for view in report["ranks"]]
+assert [e["RANK"] for e in envs] == ["0", "1"] and [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
+assert all(e["WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2" for e in envs)
+for key in ["MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"]:   # one rendezvous, shared
+    assert envs[0][key] and envs[0][key] == envs[1][key], key
+shared_store = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
+assert all(e["TORCHELASTIC_USE_AGENT_STORE"] == str(shared_store) for e in envs)
+assert report["sum_of_ranks"] == 0 + 1
+expected_backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"   # the labs' rule
+assert all(view["backend"] == expected_backend for view in report["ranks"])
+
+# %% [markdown]
+# `--standalone` 在本机选了一个空闲端口，并自己运行 rendezvous；`TORCHELASTIC_RUN_ID` 是这次 rendezvous 的名字（多节点时，`--rdzv-id` 必须在所有节点上相同）。`TORCHELASTIC_USE_AGENT_STORE=True` 表示各 rank 会合所用的 store 由 torchrun 自己的进程（它的“agent”）托管，而不是由 rank 0 托管。多出来的 `GROUP_RANK` 和 `ROLE_*` 变量也来自这个 agent；脚本很少需要用到它们。
+#
+# ### 本机上的耗时与消息大小
+#
+# 现在用真实测量来检验代价模型：在 2 个 gloo 进程上对 float32 张量执行 `dist.all_reduce`，大小从 1 KiB 到 16 MiB。每个点取 25 个短计时窗口中最快的一个；每个窗口取最慢 rank 的平均耗时，窗口内的调用次数足以让它持续约 2 ms，并且不同大小交替测量。为什么取最快的：这台机器是共享的，慢的窗口测到的是其他程序，而不是集合通信本身。
+#
+# 拟合方法是在 alpha-beta 模型 t(S) = a + b * S 上做最小二乘，按 1/t 加权，让 1 KiB 的点和 16 MiB 的点同样重要（不加权的话，最大的几个耗时会主导一切，延迟估计就成了噪声）。代入环形算法的公式，a = 2(n-1) * alpha，b = 2(n-1) / (n * B)，所以总线带宽为 2(n-1)/n / b。
+
+# %%
+n = 2
+sizes = [2 ** k for k in range(10, 25)]
+timing = run_workers(cw.time_all_reduce, n, sizes, timeout_s=120)[0]
+S = np.array([s for s, _ in timing], dtype=float)
+t = np.array([seconds for _, seconds in timing])
+A = np.stack([1 / t, S / t], axis=1)            # rows of (a + b*S) / t = 1
+(a, b), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+print(f"latency term a = {a * 1e6:.1f} us, bandwidth term b = 1 / ({1 / b / 1e9:.2f} GB/s)")
+assert a > 0 and b > 0, (a, b)
+model = a + b * S
+r2 = 1 - np.sum(np.log(t / model) ** 2) / np.sum((np.log(t) - np.log(t).mean()) ** 2)
+busbw_fit = BUSBW_FACTOR["all_reduce"](n) / b    # bytes/s
+algbw = S / t
+busbw = algbw * BUSBW_FACTOR["all_reduce"](n)
+print(f"R^2 (log time) = {r2:.3f}; bus bandwidth from the fit = {busbw_fit / 1e9:.2f} GB/s; "
+      f"the two terms are equal at S = a/b = {a / b / 1024:.0f} KiB")
+assert r2 > 0.7, r2    # a + b * S explains most of the variation of log(time)
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+ax1.loglog(S, t * 1e6, "o", label="measured (gloo, 2 processes)")
+grid = np.geomspace(S[0], S[-1], 100)
+ax1.loglog(grid, (a + b * grid) * 1e6, "-",
+           label=f"fit: {a * 1e6:.0f} us + S / {1 / b / 1e9:.2f} GB/s")
+ax1.set(xlabel="message size S (bytes)", ylabel="time per all_reduce (us)", title="time vs size")
+ax1.legend(fontsize=7)
+ax2.semilogx(S, busbw / 1e9, "o", label="busbw = algbw x 2(n-1)/n")
+ax2.semilogx(grid, BUSBW_FACTOR["all_reduce"](n) * grid / (a + b * grid) / 1e9, "-", label="model")
+ax2.axhline(busbw_fit / 1e9, color="0.6", ls="--", lw=1, label="fitted bus bandwidth")
+ax2.set(xlabel="message size S (bytes)", ylabel="GB/s", title="bus bandwidth vs size")
+ax2.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+# Small messages are latency-bound: far below the fitted bandwidth. Large ones approach it.
+assert busbw[0] < 0.5 * busbw_fit and busbw[-1] > busbw[0]
+
+# %% [markdown]
+# 从左往右看左图：延迟项占主导时曲线是平的，之后变成斜率为 1 的直线，耗时随大小增长。右图是同一组数据换算成的带宽：极小的消息只用到了机器传输能力的一小部分，这就是 DDP 把梯度打包成若干 MB 的桶、而不是逐个参数单独发送梯度的原因。
+#
+# 拟合的预测好坏，完全取决于这两个数字。在每个 rank 带宽相同的情况下，调用方看到的算法带宽随 n 下降，而总线带宽保持不变：
+
+# %%
+for ranks in (2, 4, 8, 64):
+    predicted_algbw = busbw_fit / BUSBW_FACTOR["all_reduce"](ranks)
+    print(f"n={ranks:3d}: busbw {busbw_fit / 1e9:.2f} GB/s -> "
+          f"algbw {predicted_algbw / 1e9:.2f} GB/s")
+assert busbw_fit / BUSBW_FACTOR["all_reduce"](64) < busbw_fit / BUSBW_FACTOR["all_reduce"](2)
+seconds_4gb = a + b * grad_bytes
+print(f"one all-reduce of the 4 GB of gradients from 'Why', 2 processes on this machine: "
+      f"{seconds_4gb:.1f} s (model prediction)")
+assert seconds_4gb > b * grad_bytes > 0
+
+# %% [markdown]
+# 这些是 gloo 在单台 CPU 主机上多进程测得的数字，这里的“链路”其实是经过内核回环 TCP 的内存拷贝。在 GPU 上，请用同样的方法（或者用 nccl-tests）测量 NCCL，并把总线带宽与 NVLink 或网络的峰值对比；同样的两项模型依然适用。
+#
+# ## 小结
+#
+# - 分布式作业就是 N 个独立的进程。torchrun 给每个进程设置 `RANK`、`LOCAL_RANK`、`WORLD_SIZE` 和 rendezvous 地址；`init_process_group` 通过该地址上的 TCPStore 与其他进程会合，然后由后端（CUDA 用 NCCL，CPU 用 gloo）在它们之间建立直连。
+# - 集合通信由组内每个 rank 调用，顺序相同、形状匹配。broadcast、all_reduce（SUM / AVG）、reduce、all_gather、reduce_scatter、all_to_all、send / recv 和 barrier 涵盖了本课程用到的全部操作。
+# - all-reduce = reduce-scatter + all-gather。环形版本每个 rank 传输 2(n-1)/n * S，因此带宽开销几乎与 n 无关；延迟开销则随 n 增长。
+# - 耗时 = 延迟 + 大小 / 带宽。总线带宽（nccl-tests）消除了算法带宽对 n 的依赖，因此可以直接与硬件峰值对比。
+# - DDP = 梯度 all-reduce；FSDP = all-gather + reduce-scatter；TP = 层内集合通信；PP = 阶段之间的 send / recv。
+#
+# ## 练习
+#
+# 1. 在“逐个演示集合通信”的代码单元中设置 `WORLD_SIZE = 3`。哪些图的形状变了？为什么 `reduce_scatter` 和 `all_to_all` 需要每个 rank 提供 n 块数据？
+# 2. 运行 `run_workers(cw.check_ring, 3, 1001)`（1001 就是 `numel` 参数）：现在各块大小不均。每个 rank 发送多少字节？2(n-1)/n * S 从哪里开始不再精确？
+# 3. 把 `exchange` 复制到你自己的模块里，用阻塞的 `dist.send` 代替 `isend`，然后用 `run_workers(..., timeout_s=20)` 分别在 `numel` 为 1000 和 10 000 000 时运行这个环。它能跑完吗？超时会抛出异常而不是卡死；阻塞的 send 能否在接收方就绪之前完成取决于后端，所以绝不要依赖这一点。
+# 4. 在计时单元中把 `n = 2` 改成 `n = 3`（用 3 个进程运行 `time_all_reduce`）。在 CPU 核数少于进程数的机器上，延迟项会怎样变化？
+# 5. 在 `tp_pattern` 中，对一个由 B 个宽度为 d 的 token 组成的 batch，算一算每个 MLP 的 all-reduce 要传输多少字节，并与同一层在 DDP 下的梯度 all-reduce 对比。
+#
+# ## 出问题时
+#
+# - 某个单元停在 `run_workers` 上，然后抛出 `TimeoutError`：有一个 rank 没有加入某次集合通信（某个 rank 上调用的顺序或次数不同），或者它先挂掉了；超时把卡死变成了报错。排障手册（[索引](../runbooks/index.md)）会深入讲解卡死和超时。
+# - 关于尺寸不匹配的 `RuntimeError`：传给集合通信的张量在每个 rank 上必须具有相同的形状和 dtype（`recv` 的缓冲区也一样）。
+# - 报错说 gloo 不支持 `reduce_scatter` 或 `ReduceOp.AVG`：torch 版本低于 2.8。这里的辅助函数会自动回退（`cw.GLOO_HAS_AVG_AND_REDUCE_SCATTER`）；你自己的代码也必须这样做，或者改用 NCCL。

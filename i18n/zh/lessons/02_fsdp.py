@@ -1,0 +1,498 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · FSDP2：看得见的分片，算得准的显存
+#
+# 学完本课，你将能够：
+#
+# - 算出 DDP、ZeRO-1、ZeRO-2 和 ZeRO-3/FSDP 下每个 rank 持有多少数据，并说出这个数字漏掉了什么；
+# - 手动对一个层做分片（使用前 all-gather，梯度做 reduce-scatter），并证明 `fully_shard` 做的正是这些；
+# - 在 meta 设备上构建模型，用 `fully_shard` 分片，再填充每个 rank 的分片；
+# - 运行 `labs/lab02_fsdp.py`，并证明它训练出的模型与单进程训练的相同，误差在 1e-5 以内；
+# - 把 FSDP1 代码迁移到 FSDP2，并识别网上流传的相关错误建议。
+#
+# 本课全部内容都在笔记本电脑的 CPU 上通过 gloo 运行。换到 GPU 上，同样的代码改用 NCCL。
+
+# %%
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+ROOT = Path(os.environ.get("COURSE_ROOT") or next(
+    p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
+sys.path.insert(0, str(ROOT / "lessons"))
+sys.path.insert(0, str(ROOT / "labs"))
+
+import fsdp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+import lab02_fsdp as lab  # noqa: E402  (the lab is importable: nothing runs at import)
+import memory_estimator as est  # noqa: E402
+from spawn import run_workers  # noqa: E402
+
+# %% [markdown]
+# ## 为什么
+#
+# DDP 在每个 rank 上都保留一份完整副本：参数、梯度和优化器状态。fp32 下使用 AdamW（每个参数两份状态），就是 4 + 4 + 8 = **每个参数 16 字节**，而且每个 rank 都是这么多，无论你加多少 rank。`labs/memory_estimator.py` 中的估算器针对四个 ZeRO 阶段做了这笔算术：
+
+# %%
+print(est.table(7_000_000_000, 8))
+ddp_7b = est.estimate_per_rank(7e9, 8, "ddp").total_bytes
+fsdp_7b = est.estimate_per_rank(7e9, 8, "fsdp").total_bytes
+assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 7B does not fit an 80 GB GPU under DDP
+
+# %% [markdown]
+# 7B 模型在 DDP 下每个 rank 需要 112 GB：还没存下任何激活值，就已经装不进 80 GB 的 GPU。分片到 8 个 rank 上（即 ZeRO-3，FSDP 实现的就是它）则只需 14 GB。
+#
+# 网上流传的算例：70B 参数、AdamW、64 个 rank。总量为 16 B x 70e9 = 1120 GB。分片后每个 rank：1120 / 64 = **17.5 GB**（十进制单位；合 16.3 GiB）。你可能见过的“17.6 GB”，是先把各项数字舍入、再相加得到的。
+
+# %%
+e70 = est.estimate_per_rank(70e9, 64, "zero3")
+print(f"70B, AdamW, 64 ranks: params {e70.params_bytes / 1e9:.3f} GB + grads "
+      f"{e70.grads_bytes / 1e9:.3f} GB + optimizer {e70.optimizer_bytes / 1e9:.2f} GB "
+      f"= {e70.total_bytes / 1e9:.2f} GB per rank ({e70.total_bytes / 2**30:.2f} GiB)")
+assert est.estimate_per_rank(70e9, 64, "ddp").total_bytes == 1120e9
+assert e70.total_bytes == 17.5e9
+
+# %% [markdown]
+# 这个数字是下限，不是峰值。估算器会列出它没有计入的内容：
+
+# %%
+for item in est.LEFT_OUT:
+    print("-", item)
+
+# %% [markdown]
+# 其中影响最大的是第一项：**激活值**。FSDP 分片的是状态，而不是计算，所以每个 rank 仍要为反向传播保留自己那个微批次的激活值。第 03 课会用 Korthikanti 等人的公式（arXiv:2205.05198，表 2）来计算激活值：在 16 位激活值、不做重计算的情况下，每层为 s b h (34 + 5 a s / h) 字节。以 Llama-2-70B（80 层，h = 8192，a = 64）为例，序列长度 4096、微批次大小 1 时：
+
+# %%
+s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
+activations_70b = num_layers * s * b * h * (34 + 5 * a * s / h)
+print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
+      f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
+assert 480 < activations_70b / 2**30 < 490  # ~485 GiB: 28x the state the table counts
+assert activations_70b > 25 * e70.total_bytes
+
+# %% [markdown]
+# 所以训练 70B 模型还需要激活检查点（用重计算代替存储）、张量并行或序列并行（第 03 课），或者流水线阶段（第 04 课）。
+#
+# 下一项是*临时的未分片单元*：一个 block 在计算时必须是完整的。一个 Llama-2-70B block（dim 8192，MLP 隐藏层 28672，8 个 128 维的 KV head）约有 0.86B 参数，bf16 下为 1.6 GiB；在预取下一个 block 期间，约为它的两倍：
+
+# %%
+dim, hidden, kv_dim = 8192, 28672, 8 * 128
+block_params = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * hidden + 2 * dim
+print(f"one block: {block_params / 1e9:.3f}B params = {2 * block_params / 2**30:.2f} GiB in bf16")
+assert 0.85e9 < block_params < 0.86e9 and 1.55 < 2 * block_params / 2**30 < 1.65
+
+# %% [markdown]
+# ## 从零开始：分片、all-gather、reduce-scatter
+#
+# FSDP 就是三个动作。每个 rank 只保存每个权重的一个切片（按行切，即 dim 0）。使用权重之前，先用一次 **all-gather** 把它重建出来，用完立即释放。反向传播之后，每个 rank 都有一份用自己的数据算出的完整大小的梯度；一次 **reduce-scatter** 把这些梯度在各 rank 之间求和，并只把每个 rank 负责的那些行交给它。随后优化器只更新本地分片。下面在 2 个进程上，先这样手动训练一个线性层，再用 `fully_shard` 训练，最后在一个进程里用整个全局 batch 训练。完整的 worker 函数（`lessons/fsdp_workers.py`）如下，其中第 (1) 部分就是手写的 FSDP：
+
+# %%
+print(inspect.getsource(fsdp_workers.shard_by_hand_vs_fully_shard))
+
+# %%
+results = run_workers(fsdp_workers.shard_by_hand_vs_fully_shard, 2, timeout_s=120)
+for rank, r in enumerate(results):
+    print(f"rank {rank}: holds {r['shard_shape']} of [6, 4]; fully_shard holds "
+          f"{r['fsdp_shard_shape']} {r['placements']}; |by hand - FSDP| {r['by_hand_vs_fsdp']:.1e}, "
+          f"|by hand - one process| {r['by_hand_vs_single']:.1e}")
+assert all(r["shard_shape"] == r["fsdp_shard_shape"] == [3, 4] for r in results)
+assert all(r["by_hand_vs_fsdp"] <= 1e-6 and r["by_hand_vs_single"] <= 1e-6 for r in results)
+
+# %% [markdown]
+# 数值在浮点舍入范围内一致：`fully_shard` 就是这三种集合通信，再加上调度。
+#
+# ### 逐个单元看一次 FSDP 训练步
+#
+# FSDP2 用 `torch.profiler.record_function` 给它执行的每个阶段打上标签（`FSDP::all_gather (layers.0)`、`FSDP::post_backward_reduce (layers.1)` 等）。下面在 2 个 gloo rank 上跟踪实验模型的一步（两个 block 各自是一个单元，另有根单元 root 负责 embedding、最终的 norm 和输出层），见 `fsdp_workers.fsdp_step_trace`：
+
+# %%
+trace = run_workers(fsdp_workers.fsdp_step_trace, 2, timeout_s=180)[0]
+
+
+def unit_of(name):
+    """"FSDP::all_gather (layers.0)" -> "layers.0"; unlabelled or "()" -> the root."""
+    inside = name.rsplit("(", 1)[1].rstrip(")") if name.endswith(")") else ""
+    return inside or ("layers." + name.rsplit(".", 1)[1] if " for layers." in name else "root")
+
+
+def phases(events):
+    """(unit, phase, start, end) bars: all-gather (marked prefetch when FSDP issued it ahead
+    of its block in backward), forward and backward compute, free, reduce-scatter."""
+    spans = {}
+    for name, start, end in events:
+        spans.setdefault(name, []).append((start, end))
+    prefetch = [(s, e) for name, ss in spans.items() if "backward_prefetch" in name for s, e in ss]
+    bars = []
+    for name, start, end in events:
+        if not name.startswith("FSDP::"):
+            continue
+        unit, kind = unit_of(name), name.split("::")[1].split(" ")[0]
+        if kind == "all_gather":
+            early = any(s <= start and end <= e for s, e in prefetch)
+            bars.append((unit, "all-gather (prefetch)" if early else "all-gather", start, end))
+        elif kind == "post_backward_reduce":
+            bars.append((unit, "reduce-scatter", start, end))
+        elif kind in ("post_forward", "post_backward_reshard") and unit != "root":
+            bars.append((unit, "free", start, end))  # the root is kept whole: nothing freed
+    for unit in ("layers.0", "layers.1"):  # compute: between FSDP's hooks of that block
+        (_, fwd_start), = spans[f"FSDP::pre_forward ({unit})"]
+        (fwd_end, _), = spans[f"FSDP::post_forward ({unit})"]
+        (_, bwd_start), = spans[f"FSDP::pre_backward ({unit})"]
+        (bwd_end, _), = spans[f"FSDP::post_backward_accumulate ({unit})"]
+        bars += [(unit, "forward", fwd_start, fwd_end), (unit, "backward", bwd_start, bwd_end)]
+    return bars
+
+
+bars = phases(trace["events"])
+colors = {"all-gather": "tab:blue", "all-gather (prefetch)": "tab:cyan", "forward": "tab:green",
+          "backward": "tab:orange", "free": "0.4", "reduce-scatter": "tab:red"}
+units = ["root", "layers.0", "layers.1"]
+fig, ax = plt.subplots(figsize=(8, 2.8))
+for unit, phase, start, end in bars:
+    ax.barh(units.index(unit), max(end - start, 0.15), left=start, color=colors[phase],
+            edgecolor="black", lw=0.3, height=0.7)
+ax.set_yticks(range(len(units)), units, fontsize=10)
+ax.invert_yaxis()
+ax.set_xlabel("ms since the step's first FSDP action (rank 0)", fontsize=10)
+ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], list(colors),
+          ncol=3, fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
+ax.set_title("One FSDP step on 2 CPU ranks (gloo), from torch.profiler", fontsize=11)
+fig.tight_layout()
+plt.show()
+kinds = {(unit, phase) for unit, phase, _, _ in bars}
+assert {("layers.0", "all-gather"), ("layers.1", "all-gather (prefetch)"),
+        ("layers.0", "reduce-scatter"), ("root", "reduce-scatter")} <= kinds
+gathers = {u: sum(1 for unit, phase, _, _ in bars if unit == u and phase.startswith("all-gather"))
+           for u in units}
+assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
+
+# %% [markdown]
+# 从上往下看。每个 block 在 forward 之前先 all-gather，forward 结束后立即释放（那条深色细条）；反向传播时再 all-gather 一次，而且 FSDP 会提前一个 block 发出这次 all-gather（`backward_prefetch`，浅蓝色）：layers.1 的反向传播还没开始算，layers.0 的 gather 就已经发出了。每个 block 的反向传播一结束，它的梯度就立即做 reduce-scatter。根单元只 gather 一次：FSDP 让它从 forward 到反向传播一直保持完整，因为反向传播是从输出投影开始的。
+#
+# 这次 CPU 运行展示不了的是重叠。在 gloo 上，每个集合通信都要执行完，下一段计算才会开始，所以各个色条首尾相接地排开。在 GPU 上，FSDP2 在单独的 CUDA stream 上执行 all-gather 和 reduce-scatter，所以预取的 all-gather 确实会与当前 block 的计算同时进行（见 torch 2.13 中 `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` 的 `all_gather_stream` 和 `reduce_scatter_stream`；仅限 GPU，这里没有测量）。这份跟踪还暴露了 gloo 的一个细节：reduce-scatter 实际上是用 all-reduce 完成的（每个 `post_backward_reduce` 里都有一个 `gloo:all_reduce`）。
+#
+# ### 数一数 FSDP 的通信字节
+#
+# 实验中的 `CommCounter`（第 03 课）按第 00 课的环形系数，统计每个 rank 在每次集合通信中发送的字节数。下面与 DDP 对同样梯度做的 all-reduce 对比：
+
+# %%
+n, P, R = 2, trace["param_bytes"], trace["root_param_bytes"]
+gathered = trace["wire_bytes"]["c10d._allgather_base_"]
+scattered = trace["wire_bytes"]["c10d._reduce_scatter_base_"]
+ddp_bytes = trace["ddp_wire_bytes"]
+print(f"all-gathers {gathered:,} B + reduce-scatter {scattered:,} B = {gathered + scattered:,} B "
+      f"sent per rank; DDP's all-reduce {ddp_bytes:,.0f} B; ratio {(gathered + scattered) / ddp_bytes:.3f}")
+# Blocks are gathered twice (forward, backward), the root once; every gradient scattered once.
+assert gathered == (n - 1) / n * (2 * (P - R) + R) and scattered == (n - 1) / n * P
+assert abs((gathered + scattered) / ddp_bytes - (1.5 - R / (2 * P))) < 1e-9
+
+# %% [markdown]
+# 所以 FSDP 发送的字节数是 DDP 的 1.5 倍，再减去根单元份额的一半（根单元只 gather 一次）：这里是 1.47 倍。这些计数按环形算法（NCCL）计算；在 CPU 上，gloo 用基于 all-reduce 的方式实现 reduce-scatter，发送得更多。换来的是只需 1/N 的显存。
+#
+# ## 使用 PyTorch：fully_shard
+#
+# 实验脚本先在 **meta 设备**上构建模型（只有形状，不占内存），然后分片，最后才分配存储：每个 rank 只分配自己的分片，别的一概不分配。每个 transformer block 是一个单元（一次 all-gather，一次 reduce-scatter）；最后对根模块的那次调用把剩下的参数归成一组：
+
+# %%
+print(inspect.getsource(lab.apply_fsdp))
+print(inspect.getsource(lab.build_fsdp_model))
+
+# %% [markdown]
+# 填充分片：`init_sharded_weights` 把每个完整参数计算一次（与单进程抽取的值相同），然后复制本 rank 的切片。代价是一个完整参数大小的临时内存，不需要任何通信；其他做法（用 `distribute_tensor` 从 rank 0 分发，或从 DCP 检查点加载分片）在它的 docstring 中有讨论。
+#
+# ### 实测：每个 rank 持有的字节数
+#
+# `lessons/fsdp_workers.py` 针对每种策略，用实验脚本自己的函数构建模型，执行一次优化器步，然后把每个 rank 所持张量背后的存储加起来（`lab.measure_state_bytes`）。world size 分别取 1、2、4：
+
+# %%
+measured = {n: run_workers(fsdp_workers.measure_strategies, n, ("ddp", "zero3"), timeout_s=240)
+            for n in (1, 2)}
+measured[4] = run_workers(fsdp_workers.measure_strategies, 4, timeout_s=240)  # + zero1, fsdp_no_reshard, hsdp
+shapes = measured[1][0]["param_shapes"]
+num_params = sum(torch.Size(s).numel() for s in shapes)
+
+
+def total(per_rank):
+    return max(r["params"] + r["grads"] + r["optimizer"] for r in per_rank)
+
+
+rows = {}
+for n, ranks in measured.items():
+    for strategy in ("ddp", "zero3"):
+        got = total([r[strategy] for r in ranks])
+        predicted = est.estimate_per_rank(None, n, strategy, shapes=shapes).total_bytes
+        rows[(strategy, n)] = got
+        print(f"{strategy:5s} world {n}: measured {got:9,d} B per rank, estimator {predicted:9,d} B "
+              f"({got / predicted - 1:+.2%})")
+        assert abs(got / predicted - 1) <= 0.05
+    ratio = rows[("zero3", n)] / (rows[("ddp", n)] / n)
+    print(f"        FSDP / (DDP / {n}) = {ratio:.4f}")
+    assert abs(ratio - 1) <= 0.05
+
+# %% [markdown]
+# FSDP 每个 rank 的状态等于 DDP 的除以 world size，而估算器与各 rank 实际持有的量相差在 5% 以内（多出的一点是 AdamW 的 `step` 计数器，每个参数张量一个 4 字节的标量）。这里看不到填充，因为这个模型的每个 dim 0 都能被 1、2、4 整除。不能整除时，FSDP2 会把每个分片填充到 `ceil(dim0 / N)` 行，于是每个 rank 都按最大的分片分配；给估算器传入 `shapes=` 即可把这部分算进去：
+
+# %%
+odd = [(50257, 4096), (3, 4096)]   # a GPT-2-sized vocabulary, and a tensor smaller than N
+padded = est.estimate_per_rank(None, 64, "zero3", shapes=odd).params_bytes
+even = est.estimate_per_rank(sum(a * b for a, b in odd), 64, "zero3").params_bytes
+print(f"params per rank over 64 ranks: {padded:,d} B with padding, {even:,d} B if split evenly "
+      f"(+{padded / even - 1:.2%})")
+assert padded > even
+
+# %%
+sizes = sorted(measured)
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for strategy, label, marker in [("ddp", "DDP", "o"), ("zero3", "FSDP (fully_shard)", "s")]:
+    ax.plot(sizes, [rows[(strategy, n)] / 1e6 for n in sizes], marker=marker, label=f"{label}, measured")
+    ax.plot(sizes, [est.estimate_per_rank(None, n, strategy, shapes=shapes).total_bytes / 1e6
+                    for n in sizes], "--", color="gray")
+ax.plot([], [], "--", color="gray", label="estimator")
+ax.set(xlabel="world size", ylabel="MB per rank (params + grads + AdamW)", xticks=sizes,
+       title=f"Persistent state per rank, {num_params:,} params")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ### 并排比较 ZeRO 各阶段（world size 4）
+#
+# PyTorch 对阶段 1 和阶段 3 有原生工具：`ZeroRedundancyOptimizer`（阶段 1：优化器状态分片）和 `fully_shard`（阶段 3）。有两种不同的东西都被叫作“ZeRO-2”，所以本页给它们起了不同的名字：
+#
+# - 估算器中的 **`zero2`** 是经典的 ZeRO-2（DeepSpeed 的阶段 2）：梯度和优化器状态分片，每个 rank 始终持有一份完整参数。
+# - 这里实测的 **`fsdp_no_reshard`** 是 `fully_shard(..., reshard_after_forward=False)`：两步之间，一切都像阶段 3 一样分片，但每个 block gather 出来的参数会从它的 forward 一直保留到它的反向传播，所以训练步进行中的峰值包含完整参数。
+#
+# 最后一列是 forward 与反向传播之间仍然存活的完整参数的字节数：
+
+# %%
+ws4 = measured[4]
+print(f"{'strategy':9s}{'params':>10s}{'grads':>10s}{'optimizer':>11s}{'full params in bwd':>20s}")
+for name in fsdp_workers.STRATEGY_ARGS:
+    r = ws4[0][name]
+    print(f"{name:9s}{r['params']:10,d}{r['grads']:10,d}{max(x[name]['optimizer'] for x in ws4):11,d}"
+          f"{r['unsharded_after_forward']:20,d}")
+full_bytes = 4 * num_params
+assert ws4[0]["zero1"]["params"] == full_bytes and ws4[0]["zero1"]["grads"] == full_bytes
+assert max(x["zero1"]["optimizer"] for x in ws4) < 0.3 * ws4[0]["ddp"]["optimizer"]
+assert ws4[0]["fsdp_no_reshard"]["params"] == ws4[0]["zero3"]["params"] == full_bytes // 4
+assert ws4[0]["fsdp_no_reshard"]["unsharded_after_forward"] == full_bytes
+# The estimator's "zero2" is the classic ZeRO-2: full parameters on every rank, all the time.
+assert est.estimate_per_rank(None, 4, "zero2", shapes=shapes).params_bytes == full_bytes
+assert ws4[0]["zero3"]["unsharded_after_forward"] < 0.1 * full_bytes   # only the root's params
+print("HSDP layout of layers.0.attention.wq.weight:", ws4[0]["hsdp"]["layout"])
+
+# %% [markdown]
+# ZeRO-1 以整个张量为单位在 rank 之间分配（按大小贪心分配），所以各 rank 的份额并不均匀；估算器的均匀切分是理想情况。`fsdp_no_reshard` 和 ZeRO-3 在两步之间持有的状态相同，区别在于训练步进行中有哪些数据存活。在阶段 3 下，forward 之后仍保持 gather 状态的只有根单元的参数（embedding、最终的 norm、输出层：`fully_shard` 让根单元保持完整，因为反向传播从它开始）。
+#
+# ## 运行实验
+#
+# 实验脚本在 4 个进程上用 FSDP 训练，把每个参数与在相同全局 batch 上运行的单进程结果比较，并写出指标：
+
+# %%
+out_dir = Path(tempfile.mkdtemp())
+cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+       str(ROOT / "labs" / "lab02_fsdp.py"), "--steps", "20", "--check-parity",
+       "--metrics-out", str(out_dir / "fsdp4.json")]
+proc = subprocess.run(cmd, check=True, timeout=300, capture_output=True, text=True,
+                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+print(proc.stdout)
+run4 = json.loads((out_dir / "fsdp4.json").read_text())
+assert run4["parity_max_abs_diff"] <= 1e-5
+print("layers.0.attention.wq.weight:", run4["layout"]["layers.0.attention.wq.weight"])
+
+# %%
+steps, losses = zip(*run4["losses"])
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(steps, losses, label="FSDP, 4 ranks")
+ax.plot(steps, run4["reference_losses"], "--", label="one process, same batches")
+ax.set(xlabel="step", ylabel="loss",
+       title=f"max |param diff| = {run4['parity_max_abs_diff']:.1e}")
+ax.legend()
+plt.show()
+assert losses[-1] < 0.7 * losses[0]
+
+# %% [markdown]
+# 其他值得一试的选项（都由 `tests/test_lab02_fsdp.py` 覆盖）：`--hsdp 2`（2 个副本 x 2 个分片）、`--reshard-after-forward false`、`--grad-accum 2`（使用 `set_requires_gradient_sync(False)`）、`--mixed-precision bf16`、`--activation-checkpointing`、`--cpu-offload`、`--compile`，以及先用 `--checkpoint-dir` 加 `--stop-at-step` 运行，再换一个 world size 用 `--resume` 恢复训练：DCP 在加载时会对检查点重新分片。
+#
+# ### 实测每个选项的代价
+#
+# 每个选项一行，2 个 rank，实验模型（`fsdp_workers.flag_matrix_row`）：每个 rank 在一步之后持有的字节数、每步发送的字节数、autograd 为反向传播保存的激活值、forward 内部的 dtype（`layers.0.feed_forward.w1` 的权重和输出），以及第一步的耗时和之后五步耗时的中位数。
+
+# %%
+rows = {label: run_workers(fsdp_workers.flag_matrix_row, 2, label, timeout_s=300)[0]
+        for label in fsdp_workers.FLAG_ROWS}
+print(f"{'flags':28s}{'state B':>9s}{'all-gather B':>13s}{'red.-scatter B':>15s}"
+      f"{'saved act. B':>13s}{'weight / act.':>17s}{'1st step':>10s}{'step':>8s}")
+for label, r in rows.items():
+    state = sum(r["state"].values())
+    print(f"{label:28s}{state:9,d}{r['wire_bytes']['c10d._allgather_base_']:13,d}"
+          f"{r['wire_bytes']['c10d._reduce_scatter_base_']:15,d}"
+          f"{r['saved_activation_bytes']:13,d}"
+          f"{r['dtypes']['weight'] + ' / ' + r['dtypes']['activation']:>17s}"
+          f"{r['first_step_s'] * 1e3:8.0f} ms{r['step_s'] * 1e3:6.1f} ms")
+base = rows["fp32 (default)"]
+gather = {label: r["wire_bytes"]["c10d._allgather_base_"] for label, r in rows.items()}
+assert all(r["state"] == base["state"] for r in rows.values())  # sharded state: always fp32
+assert gather["--mixed-precision bf16"] * 2 == gather["fp32 (default)"] == gather["--amp bf16"]
+assert all(r["wire_bytes"]["c10d._reduce_scatter_base_"] == base["wire_bytes"]["c10d._reduce_scatter_base_"]
+           for r in rows.values())  # reduce_dtype fp32: gradients travel in fp32 in every row
+assert rows["--amp bf16"]["dtypes"] == {"weight": "float32", "activation": "bfloat16"}
+assert rows["--mixed-precision bf16"]["dtypes"] == {"weight": "bfloat16", "activation": "bfloat16"}
+assert rows["--activation-checkpointing"]["saved_activation_bytes"] < base["saved_activation_bytes"] / 5
+assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
+
+# %% [markdown]
+# 逐行解读这张表：
+#
+# - **`--amp bf16`**（配合 `--mixed-precision fp32` 运行，因为这个策略的默认值 `auto` 会跟随 `--amp`）只开 autocast，与 lab01 中一样：forward 中权重仍是 fp32，每个 matmul 把输入转换成 bf16，所以*激活值*是 bf16（保存的字节更少），而 FSDP 仍然 all-gather fp32 权重：网络上传输的字节一点没少。
+# - **`--mixed-precision bf16`** 是 FSDP 自己的 `MixedPrecisionPolicy(param_dtype=bfloat16,
+#   reduce_dtype=float32)`：FSDP 在 all-gather *之前*就把每个分片转换成 bf16，所以 gather 传输的字节减半，block 也用 bf16 计算；梯度仍以 fp32 做 reduce-scatter，分片后的参数和 AdamW 状态也仍是 fp32。它不需要 autocast：在 forward 和反向传播中，参数本身就是 bf16。在 GPU 上这是实验的默认设置（`--mixed-precision auto` 跟随 `--amp`：GPU 支持 bf16 时用 bf16，不支持时用 fp16 加 GradScaler）；在 CPU 上默认仍是 fp32，以保证一致性。
+# - **`--activation-checkpointing`** 只保留每个 block 的输入，其余的在反向传播中重新计算：在生成本页的那次运行中，保存的字节数降到约 1/9（断言：降幅超过 5 倍），代价是每个 block 多做一次 forward。重计算时，参数已经为反向传播 gather 好了，所以不会增加通信字节。
+# - **`--cpu-offload`** 把分片状态和优化器步放在 CPU 上，每个单元 all-gather 时再把它复制到 GPU。在只有 CPU 的机器上无处可卸载：这一行测得的字节数与默认相同，也说明不了它在 GPU 上的代价。
+# - **`--compile`**（inductor，逐 block 编译）把编译开销付在第一步，既不改变通信字节，也不改变保存的激活值；在这个很小的 CPU 模型上，稳定后的单步耗时几乎不变。第 06 课会在计算占主导的场景下测量它。
+#
+# 步耗时是这台 2 核机器上的数字，模型又这么小，Python 开销和 gloo 占了大头；所以这些时间只打印、不断言，唯一的例外是断言编译在第一步花掉的时间超过它省下的时间。
+#
+# **HSDP 在各网格维度上的字节数。** 在 4 个 rank 上用 `--hsdp 2` 时，all-gather 和 reduce-scatter 都留在各自的分片组内（快速的节点内维度）；只有梯度*分片*的 all-reduce 会跨越复制维度：
+
+# %%
+hsdp = run_workers(fsdp_workers.flag_matrix_row, 4, "--hsdp 2", timeout_s=300)[0]
+for key, sent in sorted(hsdp["wire_bytes_by_group"].items()):
+    print(f"{key:40s} {sent:9,d} B per rank per step")
+shard_bytes = hsdp["state"]["grads"]  # the gradient shard this rank owns
+by_axis = hsdp["wire_bytes_by_group"]
+assert by_axis["dp_shard c10d._allgather_base_"] == gather["fp32 (default)"]
+assert by_axis["dp_shard c10d._reduce_scatter_base_"] == base["wire_bytes"]["c10d._reduce_scatter_base_"]
+assert by_axis["dp_replicate c10d.allreduce_"] == 2 * (2 - 1) / 2 * shard_bytes
+assert not any(key.startswith("dp_replicate") and "gather" in key for key in by_axis)
+
+# %% [markdown]
+# 每个 rank 发送的 all-gather 和 reduce-scatter 字节数与 2 个 rank 上的普通 FSDP 相同，另外再加上它那 1/2 分片在 2 个副本之间的 all-reduce：2 (R-1)/R x 分片字节数，这里 R = 2 个副本。把复制维度放在节点之间，跨节点的就只有这一次 all-reduce。
+#
+# ## 从 FSDP1 到 FSDP2
+#
+# 要演示一次能实际运行的迁移，FSDP1 本身得能跑起来，而在这台只有 CPU 的机器上它跑不起来：它的构造函数要求有加速器。（改传 `device_id=torch.device("cpu")` 的话，在这里的 torch 2.13 上进程直接以 SIGSEGV 崩溃。）所以下表中 FSDP1 那一侧仅限 GPU，CI 中不执行：
+
+# %%
+fsdp1 = run_workers(fsdp_workers.fsdp1_refuses_cpu, 2, timeout_s=120)[0]
+print("FullyShardedDataParallel(model) on CPU:", fsdp1)
+assert fsdp1 == "FSDP needs a non-CPU accelerator device, but no accelerator device is detected."
+
+# %% [markdown]
+# 迁移本身，用 diff 来看：`lessons/fsdp1_train.py` 是一个常见写法的 FSDP1 脚本（auto-wrap 策略、`ShardingStrategy.FULL_SHARD`、`MixedPrecision`、在 rank 0 上 gather 的完整 state dict），`lessons/fsdp2_train.py` 是它的 FSDP2 移植版：
+
+# %%
+import difflib  # noqa: E402
+
+fsdp1_path, fsdp2_path = (ROOT / "lessons" / n for n in ("fsdp1_train.py", "fsdp2_train.py"))
+print("\n".join(difflib.unified_diff(fsdp1_path.read_text().splitlines(),
+                                     fsdp2_path.read_text().splitlines(),
+                                     "fsdp1_train.py", "fsdp2_train.py", lineterm="", n=1)))
+
+# %% [markdown]
+# 移植版可以在这里运行。在 fp32 下，它训练出的结果必须与单进程（同一脚本在 1 个 rank 上运行）一致，误差在 1e-5 以内；使用默认的 bf16 策略也能运行（gloo 对 bf16 做 all-gather）：
+
+# %%
+port_dir = Path(tempfile.mkdtemp(prefix="lesson02-port-"))
+port_env = {**os.environ, "OMP_NUM_THREADS": "1"}
+for nproc, dtype in ((2, "float32"), (1, "float32"), (2, "bfloat16")):
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", str(nproc), str(fsdp2_path),
+                    str(port_dir / f"{dtype}-{nproc}.pt"), "--param-dtype", dtype],
+                   check=True, timeout=180, env=port_env, capture_output=True)
+two, one = (torch.load(port_dir / f"float32-{n}.pt", weights_only=True) for n in (2, 1))
+port_parity = max((two[k] - one[k]).abs().max().item() for k in one)
+print(f"FSDP2 port, fp32, 2 ranks against 1: max |param diff| {port_parity:.1e}; "
+      f"keys {list(one)[:3]} ... ({len(one)})")
+assert two.keys() == one.keys() and port_parity <= 1e-5
+assert (port_dir / "bfloat16-2.pt").exists()
+
+# %% [markdown]
+# 与 FSDP1 本身的对比需要 GPU：`tests/test_fsdp_migration.py` 在 2 块 GPU 上以 fp32 运行两个脚本，逐个比较参数，误差在 1e-5 以内（仅限 GPU，在这台机器上会注明原因后跳过，所以 CI 中不执行）。两者的 state dict 键名相同（`0.norm.weight` 等）：FSDP1 的完整 state dict 会去掉包装器加的前缀，而 `get_model_state_dict` 返回的是模型自身的参数名。
+#
+# | FSDP1（`FullyShardedDataParallel`） | FSDP2（`fully_shard`，torch >= 2.6） |
+# |---|---|
+# | `FSDP(model, auto_wrap_policy=transformer_auto_wrap_policy(...))` | 对每个 block 调用 `fully_shard(block)`，再调用 `fully_shard(model)` |
+# | 每个包装单元一个 `FlatParameter` | 每个参数都是放置方式为 `Shard(0)` 的 `DTensor` |
+# | `ShardingStrategy.FULL_SHARD` | `reshard_after_forward=True`（默认值 `None` 等同于 `True`，但根单元除外，它保持 gather 状态） |
+# | `ShardingStrategy.SHARD_GRAD_OP` | `reshard_after_forward=False` |
+# | `ShardingStrategy.HYBRID_SHARD` | 一个 2D 网格 `(replicate, shard)`：`init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("dp_replicate", "dp_shard"))` |
+# | `ShardingStrategy.NO_SHARD` | 分片维度大小为 1 的网格，或者直接用 DDP |
+# | `MixedPrecision(param_dtype=..., reduce_dtype=..., buffer_dtype=...)` | `MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)` |
+# | `CPUOffload(offload_params=True)` | `CPUOffloadPolicy()` |
+# | `with model.no_sync():` | `model.set_requires_gradient_sync(False)` |
+# | `FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)` | `get_state_dict` / `set_state_dict` + `torch.distributed.checkpoint` |
+# | `FSDP.clip_grad_norm_(...)` | `torch.nn.utils.clip_grad_norm_`（支持 DTensor 梯度） |
+#
+# ## 网上流传的错误建议
+#
+# 下面三种说法出自广为转载的笔记，我们用已安装的 torch 逐一验证：
+
+# %%
+try:
+    from torch.distributed.fsdp import HybridShard  # noqa: F401
+    hybrid_shard_exists = True
+except ImportError as exc:
+    hybrid_shard_exists = False
+    print("ImportError:", exc)
+assert not hybrid_shard_exists  # there is no HybridShard class; HSDP is a 2D mesh
+
+from torch.distributed.fsdp import ShardingStrategy  # noqa: E402
+
+doc = " ".join(ShardingStrategy.__doc__.split())
+hybrid = doc[doc.index("``HYBRID_SHARD``"):].split(". ")[0]
+print(hybrid)
+assert "within a node, and replicate parameters across nodes" in hybrid
+assert "(Replicate(), Shard(dim=0))" in ws4[0]["hsdp"]["layout"][0]  # FSDP2: same idea, in a mesh
+
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+print(f"torch {torch.__version__}: from torch.distributed.fsdp import fully_shard -> "
+      f"{fully_shard.__module__}")
+assert (major, minor) >= (2, 6)
+
+# %% [markdown]
+# - **“`HybridShard(intra_node_sharding_strategy=..., inter_node_sharding_strategy=...)`”**：根本没有这个类。FSDP1 的写法是 `sharding_strategy=ShardingStrategy.HYBRID_SHARD`；FSDP2 的写法是 2D 网格。
+# - **“HYBRID_SHARD 在节点内复制、跨节点分片”**：说反了。它是在节点*内*分片（由快速链路承担 all-gather 和 reduce-scatter），在节点*之间*复制（只有梯度分片的 all-reduce 经过慢速网络）。出于同样的原因，实验脚本的 `--hsdp R` 把分片维度放在最后（内层，即相邻编号的 rank）。
+# - **“PyTorch 2.0 起就有 FSDP2”**：`fully_shard` 最早在 2.4 中以原型形式出现在 `torch.distributed._composable.fsdp` 下，到 2.6 才作为 `torch.distributed.fsdp.fully_shard` 正式公开（pytorch/pytorch PR #141868）。请在 2.6 或更新的版本上使用它；上面的 import 只能证明当前安装的版本可用，不能证明更老的版本也行。
+#
+# ## 小结
+#
+# - 每个 rank 的常驻状态：DDP 在 fp32 + AdamW 下为每个参数 16 B，与 N 无关；ZeRO-3/FSDP 为 16/N。这里的实测值与估算器相差在 5% 以内，FSDP 与 DDP / N 相差也在 5% 以内。
+# - FSDP = 分片 + 使用前 all-gather + 反向传播后 reduce-scatter；手动实现得到的数值与 `fully_shard` 相同。
+# - 在 meta 设备上构建，先对各个 block、再对根模块调用 `fully_shard`，然后 `to_empty`，最后填充各自的分片。
+# - 峰值比表中的数字高：还要加上 gather 出来的单元、它的预取、激活值和 buffer。
+#
+# ## 练习
+#
+# 1. 在 4 个进程上先用 `--hsdp 2`、再用 `--hsdp 4` 运行实验：指标中的 `layout` 和 `state_bytes_per_rank` 说明了什么？为什么 `--hsdp 4` 的显存与 DDP 相同？
+# 2. 用 4 个进程、设置 `--vocab-size 66`：embedding 不再能均匀切分。把 `state_bytes_per_rank` 与 `est.estimate_per_rank(None, 4, "zero3", shapes=...)` 对比。
+# 3. 用 `--steps 40` 对比 `--reshard-after-forward false` 与 `true`：比较 `tokens_per_s` 和 `unsharded_param_bytes_after_forward`。在 GPU 上还要比较 `peak_mem_bytes_per_rank`。
+# 4. 用 `--checkpoint-dir ckpt --stop-at-step 20` 中途停下一次 4 进程的运行，再用 2 个进程加 `--resume` 恢复训练，并把 loss 与一次未中断的运行对比。
+# 5. 用估算器算一算你自己的模型：`python labs/memory_estimator.py --params 8e9
+#    --world-size 8 --param-bytes 2 --grad-bytes 2 --master-weights`。
+#
+# ## 出问题时
+#
+# - 显存不足，或显存占用高于估算值：见 [OOM：分布式场景特有的原因](../runbooks/oom-distributed-causes.md)和 [OOM：缓解办法](../runbooks/oom-mitigations.md)。
+# - 某个 rank 卡在 all-gather 或 reduce-scatter 中：实验中的每一次等待都受 `--timeout-s`（默认 120 s）约束，它会传给 `init_process_group` 和每个网格维度（`init_mesh()`：否则 `init_device_mesh` 创建的子进程组在 gloo 上会等 30 分钟，在 NCCL 上等 10 分钟），所以卡住的集合通信会变成一个报错，而不是悄无声息地卡死（[集合通信超时，原因 D](../runbooks/collective-timeout.md)）。
+# - 恢复训练时选错了检查点：只有包含 DCP `.metadata` 的 `step_*` 目录才算数（`lab.latest_checkpoint`）；`.tmp` 目录是一次没有完成的保存。

@@ -1,0 +1,447 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · 节点内用张量并行，跨节点用 FSDP
+#
+# 学完本课，你将能够：
+#
+# - 用数字说明为什么张量并行（TP）应该放在节点内部的高速链路上，而 FSDP 负责跨节点；
+# - 手动把一个 MLP 先按列并行、再按行并行切分，并在前向和反向上与 `nn.Linear` 逐一对照；
+# - 读懂 2D `("dp", "tp")` 设备网格上 DTensor 的放置方式，说出每个 rank（进程编号）持有什么；
+# - 为每个 Transformer 块编写 TP 计划（`ColwiseParallel`、`RowwiseParallel`、`SequenceParallel`、`PrepareModuleInput`、loss parallel），在 `fully_shard` 之前应用它，并校验计划中的键；
+# - 根据 Megatron-LM 的分析预测一步里会出现哪些集合通信，再用 `CommDebugMode` 验证；
+# - 为真实集群规划布局：8 个节点 x 8 块 GPU、tp = 4，对应的网格是 (16, 4)。
+#
+# 所有代码都能在笔记本电脑的 CPU 上通过 gloo 运行；换到 GPU 上，同样的代码走 NCCL。
+
+# %%
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+ROOT = Path(os.environ.get("COURSE_ROOT") or next(
+    p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
+sys.path.insert(0, str(ROOT / "lessons"))
+sys.path.insert(0, str(ROOT / "labs"))
+
+import lab03_tp_fsdp as lab  # noqa: E402  (importable: nothing runs at import)
+import tp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+from spawn import run_workers  # noqa: E402
+
+# %% [markdown]
+# ## 为什么
+#
+# FSDP 对参数、梯度和优化器状态做了分片，但每个 rank 仍然要在自己的微批次上跑完整的层，所以**激活值**并没有被分片。序列一长，激活值就成了显存的大头。Korthikanti 等人（arXiv:2205.05198，表 2）统计了一个 Transformer 层为反向传播保存的激活值字节数（激活值为 16 位，不做重计算），记序列长度为 s、微批次大小为 b、隐藏维度为 h、注意力头数为 a、TP 并行度为 t：
+#
+# | 布局 | 每层字节数 |
+# |---|---|
+# | 不用 TP | s b h (34 + 5 a s / h) |
+# | TP | s b h (10 + 24 / t + 5 a s / (h t)) |
+# | TP + 序列并行 | s b h (34 / t + 5 a s / (h t)) |
+#
+# 以 Llama-2-70B 规模的层（h = 8192，a = 64，共 80 层）为例，取 s = 4096、b = 1：
+
+# %%
+s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
+
+
+def activation_gib(t, sequence_parallel):
+    if t == 1:
+        per_layer = s * b * h * (34 + 5 * a * s / h)
+    elif sequence_parallel:
+        per_layer = s * b * h * (34 / t + 5 * a * s / (h * t))
+    else:
+        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    return num_layers * per_layer / 2**30
+
+
+for t in (1, 8):
+    print(f"t = {t}: {activation_gib(t, False):6.1f} GiB, "
+          f"with SP {activation_gib(t, True):6.1f} GiB")
+assert activation_gib(1, False) > 80  # more than a whole 80 GB GPU, for activations alone
+assert activation_gib(8, True) < activation_gib(8, False) < activation_gib(1, False) / 5
+
+# %% [markdown]
+# TP 的代价是*每一层内部*都要通信：（按下文的统计）每层、每个微批次，前向要对一个 (s, b, h) 的激活值做两次 all-reduce，反向再做两次。环形 all-reduce 让每个 rank 传输张量大小的 2 (t - 1) / t 倍。
+#
+# 下面的链路速度只是用于说明的假设值（厂商标称的量级，并非在这里实测）：同一节点内 GPU 之间每个方向约 450 GB/s（NVLink 级别），跨节点每块 GPU 约 50 GB/s（一块 400 Gb/s 网卡）。
+
+# %%
+t = 8
+tensor_bytes = s * b * h * 2  # one bf16 activation
+tp_bytes_per_rank = num_layers * 4 * 2 * (t - 1) / t * tensor_bytes
+links = {"inside a node (~450 GB/s)": 450e9, "across nodes (~50 GB/s)": 50e9}
+for link, bytes_per_s in links.items():
+    print(f"TP traffic per micro-batch: {tp_bytes_per_rank / 1e9:.1f} GB -> "
+          f"{tp_bytes_per_rank / bytes_per_s * 1e3:.0f} ms {link}")
+assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
+
+# %% [markdown]
+# 每个微批次几十 GB，而且压在每一层的关键路径上：节点内不到十分之一秒，跨节点则要大半秒，每个微批次都是如此。
+#
+# FSDP 的通信量更小，而且不在关键路径上：在*每个*微批次的前向中，它对每个块的参数做一次 all-gather，反向中再做一次（梯度累积省不掉这些）；如果其余微步关闭了梯度同步，它每步只对梯度做一次 reduce-scatter。这些通信都可以与计算重叠。因此采用 2D 布局：**节点内用 TP，跨节点用 FSDP。**
+#
+# ## 从零开始：先列并行，再行并行
+#
+# Megatron-LM（Shoeybi 等人，arXiv:1909.08053）这样切分 MLP `y = gelu(x A) B`，使前向和反向各只需一次集合通信：`A` 按输出特征切分（列并行：每个 rank 计算一部分隐藏单元，gelu 又是逐元素运算，所以中间无需交换数据），`B` 按输入特征切分（行并行：每个 rank 得到 y 的一个*部分和*）。
+#
+# 前向对部分和做 all-reduce（即 Megatron 的 `g`）；反向对输入梯度做 all-reduce（即 `f`），因为每个 rank 的切片只贡献了 dL/dx 的一部分。下图对应后文 2 个 rank 的例子（8 个输入，16 个隐藏单元）：
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), gridspec_kw={"width_ratios": [1, 2]})
+rank_colors = ["tab:blue", "tab:orange"]
+for r in range(2):  # A = fc1.weight, 16 x 8: rank r keeps output rows 8r .. 8r+7
+    axes[0].add_patch(plt.Rectangle((0, 8 * r), 8, 8, color=rank_colors[r], alpha=0.75))
+    axes[0].text(4, 8 * r + 4, f"rank {r}\nrows {8 * r}-{8 * r + 7}", ha="center", va="center",
+                 fontsize=11, color="white", fontweight="bold")
+    # B = fc2.weight, 8 x 16: rank r keeps input columns 8r .. 8r+7 (the same hidden units)
+    axes[1].add_patch(plt.Rectangle((8 * r, 0), 8, 8, color=rank_colors[r], alpha=0.75))
+    axes[1].text(8 * r + 4, 4, f"rank {r}\ncolumns {8 * r}-{8 * r + 7}", ha="center",
+                 va="center", fontsize=11, color="white", fontweight="bold")
+axes[0].set(xlim=(0, 8), ylim=(16, 0), xlabel="input features (8)", ylabel="hidden units (16)")
+axes[0].set_title("A, column-parallel:\neach rank computes its hidden units", fontsize=11)
+axes[1].set(xlim=(0, 16), ylim=(8, 0), xlabel="hidden units (16)", ylabel="outputs (8)")
+axes[1].set_title("B, row-parallel: each rank a partial sum of y,\nall-reduced forward (g)",
+                  fontsize=11)
+for ax in axes:
+    ax.set_aspect("equal")
+    ax.tick_params(labelsize=10)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# `tp_workers.py` 把 `f` 和 `g` 实现为 autograd 函数，并在两个进程上把切分后的 MLP 与 `nn.Linear` 对照检查。全部代码如下：
+
+# %%
+for function in (tp_workers.CopyToTP, tp_workers.ReduceFromTP, tp_workers.column_row_by_hand):
+    print(inspect.getsource(function))
+
+# %%
+by_hand = run_workers(tp_workers.column_row_by_hand, 2, timeout_s=240)
+for rank, r in enumerate(by_hand):
+    print(f"rank {rank}: A slice {r['a_shape']}, B slice {r['b_shape']} | max diff: out "
+          f"{r['out_diff']:.1e}, dx {r['x_grad_diff']:.1e}, dA {r['a_grad_diff']:.1e}, "
+          f"dB {r['b_grad_diff']:.1e}")
+for r in by_hand:
+    assert r["a_shape"] == r["b_shape"] == (8, 8)  # half of the 16 hidden units each
+    assert max(r["out_diff"], r["x_grad_diff"], r["a_grad_diff"], r["b_grad_diff"]) < 1e-6
+
+# %% [markdown]
+# 两者在舍入误差内相等（fp32 下约 1e-7）：差异来自求和顺序，而不是数学上的不同。
+#
+# ## 让 DTensor 的放置方式看得见
+#
+# PyTorch 用 DTensor 表达这些布局：一个张量，加上一个设备网格，再加上网格每个轴上的一种*放置方式*（`Replicate()`、`Shard(dim)`，或表示尚未求和的 `Partial()`）。
+#
+# 下面把一个 4x4 张量（值为 0..15）以四种方式放到由 4 个 rank 组成的 2D 网格 `("dp", "tp") = (2, 2)` 上。（这一节和后面两个 4 rank 的演示共用同一组 4 个进程，每一节读取各自那部分结果。）
+
+# %%
+tour = run_workers(tp_workers.tour_2d, 4, timeout_s=240)
+placed = [r["placements"] for r in tour]
+for layout in placed[0]["local"]:
+    print(layout)
+    for rank, r in enumerate(placed):
+        print(f"  rank {rank} at (dp, tp) = {tuple(r['coordinate'])}: {r['local'][layout]}")
+two_d = [r["local"]["(Shard(0), Shard(1))"] for r in placed]
+assert two_d[3] == [[10.0, 11.0], [14.0, 15.0]]  # rank 3 = (dp 1, tp 1): bottom-right block
+replicated = [r["local"]["(Replicate(), Replicate())"] for r in placed]
+assert all(local == replicated[0] for local in replicated)  # every rank holds all 16 values
+
+# %% [markdown]
+# ## 使用 PyTorch：实验中的计划
+#
+# `labs/lab03_tp_fsdp.py` **逐个 Transformer 块**应用 Megatron 计划，键名相对于块本身；之后再单独处理嵌入层和输出投影。下面是实验构建出的计划（分别为不带和带序列并行）：
+
+# %%
+cfg = lab.parse_config(["--tp", "1"])
+for sp in (False, True):
+    cfg.sequence_parallel = sp
+    print(f"--- block plan, sequence parallel {sp}")
+    for key, style in lab.block_plan(cfg).items():
+        print(f"  {key:16s} {style}")
+print("--- root plan (with --loss-parallel)")
+cfg.loss_parallel = True
+for key, style in lab.root_plan(cfg).items():
+    print(f"  {key:16s} {style}")
+
+# %% [markdown]
+# 有几点值得注意，实验代码里都有注释说明：
+#
+# - **注意力头。** 对 `wq/wk/wv` 使用 `ColwiseParallel` 后，每个 rank 分到 `num_heads / tp` 个头。实验中的 `Attention` 根据投影宽度推断头数（`view(bsz, seq, -1,
+#   head_dim)`），所以不用改任何模块属性；`inspect_tp_fsdp` 会断言本地宽度。
+# - 在 `attention` 和 `feed_forward` 上使用 **`PrepareModuleInput(..., use_local_output=False)`**：三个投影共享同一个 DTensor 输入，反向时先把它们的输入梯度相加，只做**一次** all-reduce（Megatron 的 `f`），而不是每个投影各做一次。
+# - **序列并行。** 块与块之间的激活值是 `Shard(1)`（按序列维切分）；归一化层只处理本地的 token；进入注意力/MLP 时做 all-gather，离开时做 reduce-scatter。
+# - **顺序。** 先应用 TP，再在 `"dp"` 子网格上对每个块和根模块调用 `fully_shard`。
+#
+# 在 (2, 2) 网格上，每个权重最终都带有 2D 放置方式。分片后的参数（优化器实际更新的对象）分布在全部四个 rank 上；FSDP 沿 `"dp"` 做完 all-gather（`unshard()`）之后，矩阵乘法看到的是 tp 本地切片：
+
+# %%
+layout = [r["layout"] for r in tour]
+print(f"{'parameter':26s} {'sharded placements':44s} {'sharded':>10s} {'tp-local':>10s}")
+for name, row in layout[0]["params"].items():
+    print(f"{name:26s} {row['placements']:44s} {str(row['sharded_local']):>10s} "
+          f"{str(row['tp_local']):>10s}")
+wq = layout[0]["params"]["attention.wq.weight"]
+assert wq["global"] == (64, 64) and wq["tp_local"] == (32, 64) and wq["sharded_local"] == (16, 64)
+assert layout[0]["params"]["attention_norm.weight"]["tp_placements"] == "-"  # plain: not TP'd
+
+# %% [markdown]
+# `_StridedShard(dim=0, sf=2)` 是 FSDP 在说“我在 TP 切分的基础上，又把第 0 维切了一次”：dp 分片与 tp 分片交错排列，这样沿 `"dp"` 的 all-gather 恰好还原出 tp 本地的那些行。
+#
+# 不用序列并行时，归一化层的权重完全不参与 TP，所以它们只存在于 `"dp"` 网格上（这也是实验中的 `clip_grad_norm_` 要按网格对梯度分组的原因）。
+#
+# ## 哪里会出错
+#
+# 在 4 个 rank 上演示四种错误：把块级的键交给根模型、先 FSDP 后 TP，以及两种错误的网格大小。
+
+# %%
+per_rank = [r["mistakes"] for r in tour]
+mistakes = per_rank[0]
+for key, value in mistakes.items():
+    print(f"{key}: {value}")
+small_mesh = [r["small_mesh_coordinate"] for r in per_rank]
+print("coordinates in a (1, 2) mesh on 4 ranks:", small_mesh)
+assert small_mesh[2] is None and small_mesh[3] is None  # ranks 2 and 3 are not in the mesh
+assert mistakes["root_plan_warnings"] and not mistakes["root_plan_wq_is_dtensor"]
+assert "'attention.wq' matches no submodule of TinyLlama" in mistakes["guard"]
+assert "Cannot distribute a DTensor" in mistakes["fsdp_then_tp"]
+assert "Mesh should not be bigger than default world size" in mistakes["mesh_too_big"]
+
+# %% [markdown]
+# - 计划中的键匹配不到任何模块时，**只会触发一条警告**：`wq` 在每个 rank 上仍是一个普通的完整张量。实验中的 `check_plan_keys` 会把这种情况变成一个指明该键的 `ValueError`。
+# - 先应用 FSDP 会失败：`fully_shard` 已经把权重变成了 `"dp"` 网格上的 DTensor，TP 无法再把它们重新分布到 `"tp"` 上。
+# - 网格大于 world size 会报错；小于 world size 却**不会**：rank 2 和 3 拿到的坐标是 `None`。它们不在网格里，要么一直闲置，要么让第一个需要它们参与的集合通信卡死。
+#
+# ## 运行实验
+#
+# 四个 rank，三种网格形状 (dp, tp) = (4, 1)、(2, 2)、(1, 4)，每种分别不带和带序列并行。每次运行都让每个 rank 的微批次保持为 4 条序列（`--batch-size 4 x dp`），这样对比结果只反映 TP 切分掉的那部分。
+#
+# `--check-parity` 在单个进程中用相同的批次训练，并以 fp32 逐一比较每个参数（误差在 1e-5 以内，见下文）；`--count-comms` 用 `CommDebugMode` 测量第 1 步，并统计 autograd 为反向保存的字节数。
+
+# %%
+workdir = Path(tempfile.mkdtemp(prefix="lesson03-"))
+env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_lab(nproc, *args):
+    out = workdir / f"run-{len(list(workdir.iterdir()))}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), str(ROOT / "labs" / "lab03_tp_fsdp.py"), *map(str, args),
+           "--metrics-out", str(out)]
+    proc = subprocess.run(cmd, check=True, timeout=300, env=env, capture_output=True, text=True)
+    print(proc.stdout.strip().splitlines()[-1])
+    return json.loads(out.read_text())
+
+
+runs = {}
+for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
+    dp = 4 // tp
+    runs[tp, sp] = run_lab(4, "--tp", tp, "--batch-size", 4 * dp, "--steps", 2, "--check-parity",
+                           "--count-comms", *(["--sequence-parallel"] if sp else []))
+assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
+
+# %% [markdown]
+# 在每种网格上，fp32 一致性都在 1e-5 以内。这并不是理所当然的。
+#
+# TP 改变了浮点求和的*顺序*（行并行的矩阵乘法要把两个半和相加），所以 fp32 结果的最后几位会不同，大多数时候差异停留在 1e-7。但 AdamW 的第一步是 `lr * g / (|g| + eps)`，其中 eps = 1e-8。只要某个分量远大于 eps，这一步就约等于 `lr * sign(g)`：不管 g 多大，都会走满 3e-3 的一步；只有低于 eps 时，步长才按比例缩小。下面实测单个权重上的一次 AdamW 更新：
+
+# %%
+def first_adamw_step(grad, lr=3e-3):
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.AdamW([weight], lr=lr, weight_decay=0.0)
+    weight.grad = torch.tensor([grad])
+    optimizer.step()
+    return abs(weight.item())
+
+
+for grad in (1e-2, 1e-6, 1e-7, 1e-8, 1e-12):
+    print(f"g = {grad:.0e}: first step moves the weight by {first_adamw_step(grad):.1e}")
+assert abs(first_adamw_step(1e-2) - 3e-3) < 1e-7 and first_adamw_step(1e-6) > 2.9e-3
+assert abs(first_adamw_step(1e-8) - 1.5e-3) < 1e-5      # g = eps: half a step
+assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # far below eps: proportional to g
+
+# %% [markdown]
+# 所以一个 1e-7 的梯度分量（在多项求和中它可能只是舍入噪声）会让对应权重移动将近一整步，而换一种求和顺序（TP 的半和、3 个 rank 的 all-reduce）就可能翻转它的符号：这个权重最终与单进程运行相差最多 2 x 3e-3。
+#
+# 因此各实验让学习率从 0 开始预热（`--warmup-steps 5`，大多数 Transformer 训练配方都这么做），第 1 步只用来填充 AdamW 的矩估计；从第 2 步起，每个分量都要除以它在若干步上梯度的 RMS，单个噪声值不再起决定作用。
+#
+# 在网格 (1, 2) 上跑三组、每组 3 步，就能看到这一点，并证明这是舍入问题，不是 bug：
+
+# %%
+no_warmup = ["--tp", 2, "--steps", 3, "--check-parity", "--parity-tol", "1e-2",
+             "--warmup-steps", 0]
+parity_runs = {
+    "fp32, no warmup": run_lab(2, *no_warmup),
+    "float64, no warmup": run_lab(2, *no_warmup, "--parity-dtype", "float64"),
+    "fp32, warmup (the default)": run_lab(2, "--tp", 2, "--steps", 3, "--check-parity"),
+}
+for name, m in parity_runs.items():
+    loss_gap = max(abs(l - r) for (_, l), r in zip(m["losses"], m["reference_losses"]))
+    print(f"{name:27s} max |param diff| {m['parity_max_abs_diff']:.1e}   "
+          f"max |loss diff| {loss_gap:.1e}")
+gaps = [m["parity_max_abs_diff"] for m in parity_runs.values()]
+assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
+
+# %% [markdown]
+# 不预热时，有少数参数相差约 1e-4，而损失值在舍入误差内一致。换成 float64，同一个程序一致到约 1e-13：两边算的是同一个函数，fp32 下的差距是被 AdamW 放大的舍入误差。加上预热后，fp32 一致性回到约 1e-7。
+#
+# 当你自己的一致性检查只差一点没通过时，用 `--parity-dtype float64` 来判断：两种 dtype 下都有差距，是 bug；只在 fp32 下有差距，是舍入误差。
+#
+# ### 每个 rank 的显存占用与 tp 的关系
+
+# %%
+tps = [1, 2, 4]
+state = [runs[t, False]["state_bytes_per_rank"][0] for t in tps]
+acts = [runs[t, False]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
+acts_sp = [runs[t, t > 1]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+left.plot(tps, [(s["params"] + s["optimizer"]) / 2**20 for s in state], "o-")
+left.set(title="params + AdamW state per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
+         xticks=tps, ylim=(0, None))
+right.plot(tps, acts, "o-", label="TP")
+right.plot(tps, acts_sp, "s--", label="TP + sequence parallel")
+right.set(title="saved activations per rank (micro-batch 4)", xlabel="tp", ylabel="MiB",
+          xticks=tps, ylim=(0, None))
+right.legend()
+plt.show()
+print("activation MiB, TP:", [f"{x:.2f}" for x in acts], "TP+SP:", [f"{x:.2f}" for x in acts_sp])
+params = [s["params"] for s in state]
+assert max(params) < 1.01 * min(params)  # 2D sharding: every mesh shape splits 4 ways
+assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < acts[2]
+
+# %% [markdown]
+# 不论网格形状如何，参数和优化器状态都分布在全部四个 rank 上，所以曲线是平的（唯一的微小例外是归一化层权重：不用 SP 时，它们在 tp 维度上是复制的）。保存的激活值随 tp 增大而减少，启用序列并行后减少得更多，因为序列并行还切分了归一化层和残差流。
+#
+# ### 每步通信量与 tp 的关系
+#
+# `CommDebugMode` 会记下每个集合通信的名字。TP 的集合通信来自 DTensor（`c10d_functional.*`），FSDP 的来自 `fully_shard`（`c10d.*`），所以一步的通信量可以干净地拆开。
+#
+# 实验中的 `CommCounter` 按第 00 课的环形系数统计每个 rank *发送*的字节数：对 n 个 rank 的组和 S 字节的完整张量，all-reduce 发送 2 (n-1)/n x S，all-gather 或 reduce-scatter 发送 (n-1)/n x S。（如果改为统计“集合通信经手的张量”，就会混用两种口径：DTensor 的函数式 all-gather 只看到本地分片，而 FSDP 的 all-gather 看到的是聚合后的输出。）
+
+# %%
+print(inspect.getsource(lab.CommCounter.__torch_dispatch__))
+
+
+def wire_mib(metrics, prefix):
+    return sum(v for k, v in metrics["comm_wire_bytes_per_step"].items()
+               if k.startswith(prefix)) / 2**20
+
+
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for sp, style in [(False, "o-"), (True, "s--")]:
+    ax.plot(tps, [wire_mib(runs[t, sp and t > 1], "c10d_functional.") for t in tps], style,
+            label=f"TP collectives{' (SP)' if sp else ''}")
+ax.plot(tps, [wire_mib(runs[t, False], "c10d.") for t in tps], "^:", label="FSDP collectives")
+ax.set(title="bytes sent per step per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
+       xticks=tps)
+ax.legend()
+plt.show()
+fsdp = [wire_mib(runs[t, False], "c10d.") for t in tps]
+tp_traffic = [wire_mib(runs[t, False], "c10d_functional.") for t in tps]
+print("FSDP MiB:", [f"{x:.3f}" for x in fsdp], "TP MiB:", [f"{x:.3f}" for x in tp_traffic])
+assert fsdp[0] > fsdp[1] > fsdp[2] and tp_traffic[1] > 10 * tp_traffic[0]
+
+# %% [markdown]
+# FSDP 的通信量随 tp 增大而减少（每个 dp rank 只需 all-gather 自己的 tp 本地切片，dp = 1 时则根本无需 all-gather）；TP 的通信量在 tp > 1 时立即出现，而且与激活值大小相当。tp = 1 时，TP 一侧仅剩的集合通信是梯度范数的归约。
+#
+# ### 验证 Megatron-LM 的统计
+#
+# 按每个块计，这一分析预测：不用 SP 时，前向两次 all-reduce（在 `wo` 和 `w2` 之后），反向两次（注意力和 MLP 之前的 `f`）；用 SP 时，每次 all-reduce 都变成一对 all-gather / reduce-scatter；另外每个归一化层还要为其权重梯度做一次小的 all-reduce，因为每个 rank 只看到了自己的 token，这个梯度只是部分和。
+
+# %%
+def tp_only(counts):
+    return {k.split(".")[-1]: v for k, v in counts.items() if k.startswith("c10d_functional.")}
+
+
+for sp in (False, True):
+    block = runs[2, sp]["comm_counts_block0"]
+    print(f"SP {sp}: forward {tp_only(block['forward'])} | backward {tp_only(block['backward'])}")
+assert tp_only(runs[2, False]["comm_counts_block0"]["forward"]) == {"all_reduce": 2}
+assert tp_only(runs[2, False]["comm_counts_block0"]["backward"]) == {"all_reduce": 2}
+assert tp_only(runs[2, True]["comm_counts_block0"]["forward"]) == {
+    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+assert tp_only(runs[2, True]["comm_counts_block0"]["backward"]) == {
+    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
+
+# %% [markdown]
+# 一次 all-reduce 的开销等于一次 reduce-scatter 加一次 all-gather（环形 all-reduce 本来就是这样实现的：2 (n-1)/n = (n-1)/n + (n-1)/n），所以序列并行发送的字节数与普通 TP 相同，却把普通 TP 保留为完整的激活值也分片了。
+#
+# 实测下来，每步、每个 rank 上唯一的区别，是 SP 额外对每个归一化层的权重梯度做的 all-reduce（这里有 5 个归一化层，每个 64 个 fp32 值；一般为 `2 x num_layers + 1` 个）：
+
+# %%
+defaults = lab.parse_config(["--tp", "1"])  # the model the runs above trained
+num_norms = 2 * defaults.num_layers + 1     # two per block, plus the final one
+for t in (2, 4):
+    tp_bytes = wire_mib(runs[t, False], "c10d_functional.") * 2**20
+    sp_bytes = wire_mib(runs[t, True], "c10d_functional.") * 2**20
+    norm_grads = num_norms * defaults.dim * 4 * 2 * (t - 1) / t  # one all-reduce per norm
+    print(f"tp = {t}: TP {tp_bytes:,.0f} B, TP + SP {sp_bytes:,.0f} B "
+          f"(difference {sp_bytes - tp_bytes:,.0f} B; norm weight grads {norm_grads:,.0f} B)")
+    assert abs(sp_bytes - tp_bytes - norm_grads) <= 64  # a few 4-byte scalars of grad norms
+    assert abs(sp_bytes / tp_bytes - 1) < 0.01
+
+# %% [markdown]
+# ## 一个完整的集群规划示例
+#
+# 8 个节点 x 8 块 GPU = 64 个 rank，tp = 4。网格必须覆盖每一个 rank：dp = 64 / 4 = 16，所以写成 `init_device_mesh("cuda", (16, 4), mesh_dim_names=("dp", "tp"))`（实验用 `init_mesh` 构建同样的布局，它还会给每个轴都设上作业的超时时间）。
+#
+# 常见的错误是写成 `(8, 4)`：那只有 32 个 rank。网格大于 world size 会报错（见上文）；小于 world size 则会悄无声息地把一部分 rank 排除在外。
+#
+# 把 `"tp"` 放在最后一个轴，每个 TP 组就是 4 个连续的 rank；而 torchrun 给同一节点上的 rank 连续编号，所以 TP 永远不会跨节点：
+
+# %%
+nodes, gpus_per_node, tp = 8, 8, 4
+world = nodes * gpus_per_node
+mesh = torch.arange(world).reshape(world // tp, tp)  # the layout init_device_mesh uses
+tp_groups, dp_groups = mesh.tolist(), mesh.t().tolist()
+print(f"mesh {tuple(mesh.shape)}; TP group of rank 13: {tp_groups[13 // tp]}; "
+      f"its dp group: {dp_groups[13 % tp]}")
+assert tuple(mesh.shape) == (16, 4) and 8 * 4 != world
+assert all(len({r // gpus_per_node for r in group}) == 1 for group in tp_groups)  # one node each
+assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all nodes
+
+# %% [markdown]
+# 计划要逐块应用（`for block in model.layers.values(): parallelize_module(block,
+# mesh["tp"], block_plan)`），绝不能拿块级的相对键在根模块上一次性应用：这些键在根模块上什么也匹配不到，而且如上所示，PyTorch 只会发出警告。
+#
+# ## 小结
+#
+# - TP 把一个块里的每个矩阵乘法切分到 TP 组的各个 rank 上：权重*和*激活值都会变小，代价是每一层内部都有集合通信，所以要把 TP 放在节点内的高速链路上。
+# - 先列并行再行并行，每半个块在前向和反向各需要一次 all-reduce；序列并行把每次 all-reduce 变成一对 all-gather / reduce-scatter，同时还切分了归一化层和残差流。
+# - 构建顺序：先建 2D 网格 `("dp", "tp")`，在 `mesh["tp"]` 上逐块调用 `parallelize_module`，然后在 `mesh["dp"]` 上对每个块和根模块调用 `fully_shard`。一定要校验计划中的键：拼写错误只会触发警告。
+# - DCP 检查点是分片保存的，并带有全局偏移量：实验的测试会把 (2, 2) 上保存的检查点放到 (4, 1) 和 (1, 2) 上恢复训练。
+# - TP 在数学上是精确的，但不是逐位一致的。AdamW 的第一步会让每个梯度远大于 eps 的权重移动约 `lr * sign(grad)`，所以要让学习率从 0 开始预热；这样 fp32 一致性可以保持在 ~1e-7。`--parity-dtype float64` 可以区分 bug 与舍入误差。
+#
+# ## 练习
+#
+# 1. `--tp`：运行 `torchrun --nproc-per-node 4 labs/lab03_tp_fsdp.py --tp 4 --count-comms`，再用 `--tp 1` 运行，比较 metrics JSON 中的 `comm_wire_bytes_per_step`。
+# 2. `--sequence-parallel` 搭配 `--seq-len 30 --tp 4`：读一读报错信息，然后改正 `--seq-len`。
+# 3. `--loss-parallel`：比较启用和不启用它时 `all_gather_into_tensor` 的字节数。哪个张量不再需要 all-gather 了？
+# 4. `--num-heads 2 --tp 4`：实验为什么拒绝运行？如果一个注意力头被拆到多个 rank 上，会发生什么？
+# 5. 复制一份实验代码，把 `block_plan` 里的 `"attention.wq"` 改名为 `"attention.q"` 后运行：是哪一行拦住了你？如果只靠 PyTorch 本身，又会怎样？
+# 6. `--warmup-steps 0 --parity-tol 1e-2 --check-parity`：最大参数差异如何随 `--steps` 变化？差异集中在哪些参数上，它们在第 1 步的梯度有多小？再试试 `--warmup-steps 1`：现在第 1 步做了什么？
+#
+# ## 出问题时
+#
+# - 加上 TP 后显存不足：见[显存不足排障手册](../runbooks/oom-mitigations.md)。
+# - 某个 rank 卡在集合通信里（常见原因是网格没有覆盖每个 rank，或各 rank 的计划不一致）：见[集合通信超时](../runbooks/collective-timeout.md)、[卡住的 rank](../runbooks/stuck-rank.md)。
+# - 启动阶段卡死：见[启动卡死](../runbooks/startup-hang.md)；其他问题：见[排障手册索引](../runbooks/index.md)。

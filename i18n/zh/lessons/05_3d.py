@@ -1,0 +1,346 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · 3D 并行：流水线 x FSDP x 张量并行
+#
+# 学完本课，你将能够：
+#
+# - 说清每个并行维度发送什么、多久发一次，进而判断它在集群上该放在哪里：TP 放在节点内，PP 和 FSDP 跨节点，并用 70B 模型的具体数字加以说明；
+# - 用课程的估算器，读出 70B 方案在 64 块和 512 块 GPU 上每块 GPU 的显存占用；
+# - 用 `labs/lab05_3d.py` 按 torchtitan 的顺序（先切分成阶段，再在每个 block 内做 TP，最后在 dp 上做 FSDP）构建 `("pp", "dp", "tp")` 设备网格，并按维度数出一步中的集合通信次数，与公式对照；
+# - 把三个维度的一步画在同一条时间线上；
+# - 证明三种布局训练出的模型与单进程训练的相同（一致性误差在 1e-5 以内），并且同一个检查点可以在三种不同的布局上恢复训练。
+#
+# 全部内容都能在笔记本电脑的 CPU 上运行：8 个 gloo 进程跑在 2 个核上。换到 GPU 上，同一个实验改用 NCCL。
+
+# %%
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+ROOT = Path(os.environ.get("COURSE_ROOT") or next(
+    p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
+sys.path.insert(0, str(ROOT / "lessons"))
+sys.path.insert(0, str(ROOT / "labs"))
+
+import lab05_3d as lab  # noqa: E402  (the lab is importable: nothing runs at import)
+import threed_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+from spawn import run_workers  # noqa: E402
+
+# %% [markdown]
+# ## 三个维度，三种通信
+#
+# 前面每个实验都只切分一样东西：
+#
+# | 维度 | 所在课 | 切分什么 | 发送什么 | 多久一次 |
+# |---|---|---|---|---|
+# | tp | 03 | 每个权重矩阵，按列或按行切 | 对一个激活值做 all-reduce | 每个 block 每个微批次 4 次（前向 2 次，反向 2 次） |
+# | dp（FSDP） | 02 | 每个权重，切成分片 | all-gather 权重，reduce-scatter 梯度 | 每个 block 每步一次 |
+# | pp | 04 | 模型的层，分成若干阶段 | 前向传出一个激活值，反向传回它的梯度 | 每个切分点每个微批次一次 |
+#
+# 这些次数相差好几个数量级，它们所走的链路也必须随之不同。下面算的是 Llama-3.1-70B（80 个 block，宽度 8192）在 64 块 GPU 上按 pp 4 x dp 2 x tp 8 布局时，每块 GPU 每步发送的字节数，设定为 8 个微批次、每个微批次一条 8192 token 的序列、bf16 激活值。这些数字由公式算出（环形集合通信，见第 00 课），不是实测值。
+
+# %%
+def bytes_per_step(cfg, pp, dp, tp, microbatches, act_bytes=2, param_bytes=2, grad_bytes=4):
+    """Bytes one rank of the busiest stage sends per step, per axis (ring algorithms)."""
+    activation = cfg["micro_batch"] * cfg["seq_len"] * cfg["dim"] * act_bytes
+    blocks = cfg["num_layers"] // pp
+    stage_params = cfg["num_params"] / pp
+    ring = lambda n: (n - 1) / n  # noqa: E731  (the share of a buffer each rank sends)
+    return {
+        "tp": microbatches * blocks * 4 * 2 * ring(tp) * activation,  # all-reduce: 2 (n-1)/n
+        "dp": stage_params / tp * (param_bytes + grad_bytes) * ring(dp),  # gather + scatter
+        "pp": 2 * microbatches * activation,  # an interior stage: one send each way per mb
+    }
+
+
+LLAMA_70B = {"num_params": 70.55e9, "num_layers": 80, "dim": 8192, "seq_len": 8192,
+             "micro_batch": 1}
+traffic = bytes_per_step(LLAMA_70B, pp=4, dp=2, tp=8, microbatches=8)
+# Published link speeds (datasheets, not measured here): NVLink on an H100 SXM is 900 GB/s in
+# total, 450 GB/s each way; one 400 Gb/s InfiniBand NIC per GPU is 50 GB/s each way.
+NVLINK, INFINIBAND = 450e9, 50e9
+for axis, sent in traffic.items():
+    print(f"{axis}: {sent / 1e9:7.1f} GB per step per GPU | {sent / NVLINK * 1e3:6.0f} ms on "
+          f"NVLink | {sent / INFINIBAND * 1e3:6.0f} ms on InfiniBand")
+assert traffic["tp"] > 10 * traffic["dp"] and traffic["dp"] > traffic["pp"]
+
+# %% [markdown]
+# 再和这一步的计算量比一比。一个 rank 承担每个微批次 FLOPs 的 1/(pp x tp)：65,536 个 token x 每 token 481 GFLOP / 32 = 986 TFLOP。H100 的 bf16 峰值为 989 TFLOP/s（数据手册上的数字；调优良好的训练能达到 35-45%），按 40% 计算约需 2.5 s。
+#
+# TP 的约 150 GB 在 NVLink 上约需 0.33 s，只占计算时间的一小部分；但在 InfiniBand 上要 3 s，比计算还长：**TP 必须留在节点内**。FSDP 每步约 6.6 GB，走 InfiniBand 约需 0.13 s，而且能与计算重叠（第 02 课）；PP 的约 2 GB 是三者中最轻的：**PP 和 DP 跨节点**。设备网格的维度顺序（从最外层开始）由此而来：`("pp", "dp", "tp")`，这样一个 TP 组就是 8 个连续的 rank，正好一个节点。
+
+# %%
+llama_70b = argparse.Namespace(**lab.MODEL_PRESETS["70b"])  # the lab's preset: 70.55B params
+flop_per_token = lab.flops_per_token(llama_70b, llama_70b.seq_len)  # the labs' MFU formula
+per_rank_flop = 8 * 8192 * flop_per_token / (4 * 8)  # 8 microbatches, 1/(pp x tp) each
+compute_s = per_rank_flop / (0.40 * 989e12)
+print(f"{flop_per_token / 1e9:.1f} GFLOP per token; per GPU per step {per_rank_flop / 1e12:.0f} "
+      f"TFLOP, {compute_s:.1f} s at 40% of the H100's bf16 peak")
+assert traffic["tp"] / NVLINK < 0.2 * compute_s < traffic["tp"] / INFINIBAND
+
+# %% [markdown]
+# ## 每块 GPU 的显存：70B 方案在 64 块和 512 块 GPU 上
+#
+# `--plan` 打印最忙的那个 rank 持有的内容，数字来自课程的估算器：AdamW 加 fp32 主权重，每个参数 16 字节，按 dp x tp 均分；再加上在途微批次的激活值。它不创建进程组，所以在这里就能运行。
+#
+# 最忙的 rank 属于第一个阶段：20 个 block，外加词嵌入层和输出层（估算时每个阶段都把这两者算进去），而且在 1F1B 下，它同时在途的微批次最多。
+
+# %%
+def plan(nproc, pp, dp, tp):
+    cmd = [sys.executable, str(ROOT / "labs" / "lab05_3d.py"), "--plan", "--model", "70b",
+           "--nproc", str(nproc), "--gpu", "H100-80GB", "--pp", str(pp), "--dp", str(dp),
+           "--tp", str(tp), "--microbatches", "8"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
+    items = dict(re.findall(r"^  (\S.*?)\s{2,}([\d.]+) GB", out, re.M))
+    return out, {name: float(gb) for name, gb in items.items()}
+
+
+plans = {64: plan(64, pp=4, dp=2, tp=8), 512: plan(512, pp=4, dp=16, tp=8)}
+print(plans[64][0])
+for nproc, (_, items) in plans.items():
+    state = items["params (fp32)"] + items["grads (fp32)"] + items["AdamW state (2 x fp32)"]
+    print(f"{nproc} GPUs: weights, grads and AdamW {state:6.2f} GB | activations "
+          f"{items['activations']:5.2f} GB | total {items['total']:6.2f} GB of 80")
+# Eight times the dp degree, an eighth of the state; the activations do not shrink with dp.
+assert abs(plans[64][1]["params (fp32)"] / plans[512][1]["params (fp32)"] - 8) < 0.01
+assert plans[64][1]["activations"] == plans[512][1]["activations"]
+assert plans[512][1]["total"] < plans[64][1]["total"] < 0.9 * 80
+
+# %% [markdown]
+# 在 64 块 GPU 上，权重、梯度和 AdamW 状态占总量的三分之一；到了 512 块 GPU，它们只占 5%，剩下的全是激活值。如果没有 1F1B（它最多只保留 `pp` 个微批次的激活值，见第 04 课），8 个微批次的激活值根本放不下。下一步该动用的是激活检查点（runbooks/oom-mitigations.md），而不是加 GPU。
+
+# %% [markdown]
+# ## 代码：先切分，再 TP，最后 FSDP
+#
+# 实验按 torchtitan 的方式构建每个阶段：`pipeline_llm()` 把模型切成若干阶段模块，然后对每个模块调用它的 `parallelize_fn`，后者先应用张量并行，最后应用 FSDP（见 torchtitan 的 `torchtitan/distributed/pipeline_parallel.py` 和 `models/llama3/parallelize.py`，commit b5bcd76）。顺序很重要：
+#
+# - **先切分**：每个阶段只保留自己的层，而且放在 meta 设备上，所以其余的层从头到尾都不会被分配内存，也不会被分片。
+# - **先 TP 后 FSDP**：`parallelize_module` 把每个权重变成在 "tp" 上分片的 DTensor；`fully_shard` 再把它在 "dp" 上分片一次（二维放置方式）。FSDP 在 dp 上做 all-gather，还原出的恰好是 TP 的 hook 所期望的那个 tp 切片。顺序反过来的话，TP 看到的就会是 FSDP 的扁平分片。
+# - **最后物化**：`to_empty` 只为本地分片分配内存，然后每个分片都从同一份初始权重中取出属于自己的那一块来填充；单进程参考拿到的也是这份初始权重。
+
+# %%
+print(inspect.getsource(lab.build_mesh))
+print(inspect.getsource(lab.build_stage_module))
+
+# %% [markdown]
+# ## 一步中的集合通信，按维度计数
+#
+# 8 个进程，pp 2 x dp 2 x tp 2，使用实验的调试模型（4 个 block，每个阶段 2 个），4 个微批次。每个 rank 构建实验的流水线，记录自己在一步中发起的每一次集合通信和 send，并按所属组的网格维度归类（`threed_workers.AxisRecorder`）。每个 rank 每步的公式如下，其中 `m` 是微批次数，`L` 是本阶段上的 block 数：
+#
+# - **tp**：all-reduce 共 `m x (4 L + 1)` 次。每个 block 4 次，另加 1 次：在第一个阶段，是词嵌入前向的求和；在最后一个阶段，是输出投影那个被复制的输入的梯度。此外，最后一个阶段还有 `m` 次 all-gather（把按词表分片的 logits 拼成完整的，用来算 loss）。
+# - **dp**：每个 FSDP 单元每步一次 all-gather、一次 reduce-scatter，各 `L + 1` 次（各个 block，加上本阶段的根模块）。这是因为在 PP 下，权重在整个一步内都保持 gather 之后的状态。
+# - **pp**：2 个阶段时，每个 rank 都有 `m` 次 send 和 `m` 次 receive。
+# - **world**：一次 all-reduce，计算梯度裁剪所需的梯度范数。
+
+# %%
+LAYOUT = ["--pp", "2", "--dp", "2", "--tp", "2"]
+recorded = run_workers(threed_workers.one_recorded_step, 8, LAYOUT, timeout_s=120,
+                       startup_s=240)
+m, L = 4, 2
+
+
+def predicted_counts(first, last):
+    counts = {("tp", "all_reduce"): m * (4 * L + 1),
+              ("dp", "_allgather_base_"): L + 1, ("dp", "_reduce_scatter_base_"): L + 1,
+              ("pp", "send"): m, ("pp", "recv_"): m, ("world", "allreduce_"): 1}
+    if last:
+        counts[("tp", "all_gather_into_tensor")] = m
+    return counts
+
+
+for rank, r in enumerate(recorded):
+    c = r["coords"]
+    first, last = r["stages"] == [0], r["stages"] == [1]
+    by_axis = Counter()
+    for (axis, _), n in r["counts"].items():
+        by_axis[axis] += n
+    print(f"rank {rank} (pp {c['pp']} dp {c['dp']} tp {c['tp']}): "
+          + ", ".join(f"{axis} {n}" for axis, n in sorted(by_axis.items()))
+          + f" | step {r['step_s'] * 1e3:.0f} ms")
+    assert r["counts"] == predicted_counts(first, last), (rank, r["counts"])
+
+# %% [markdown]
+# 每个 rank 发起的操作都与预测完全一致：第一个阶段的 rank 共 51 次，最后一个阶段的 rank 共 55 次，其中 TP 分别占 36 次和 40 次。TP 的次数随 `m x L` 增长，而 FSDP 的只随 `L` 增长，PP 的只随 `m` 增长。在真实模型上（80 个 block，8 个或更多微批次），TP 每步要发起数千次集合通信。这就是它需要最快链路的原因，也是序列并行和异步 TP 要费那么大力气把这些通信藏起来的原因。
+
+# %% [markdown]
+# ## 把一步画在一条时间线上
+#
+# 还是同一步，按 rank 画出来：每个微批次的前向（蓝色）和反向（橙色），另外在每次发起集合通信的时刻打一个标记，颜色表示所属维度。各 rank 在这一步之前一起离开同一个 barrier，而且在同一台机器上读的是同一个时钟（`time.perf_counter`，在 Linux 上即 CLOCK_MONOTONIC），所以它们的时间可以精确比较。
+
+# %%
+t0 = min(r["start"] for r in recorded)  # every rank read the same monotonic clock
+for r in recorded:
+    r["actions"] = [(k, s, mb, a - t0, b - t0) for k, s, mb, a, b in r["actions"]]
+    r["events"] = [(axis, op, t - t0, size) for axis, op, t, size in r["events"]]
+AXIS_STYLE = {"tp": ("black", "|", "tp all-reduce / all-gather"),
+              "dp": ("tab:green", "v", "dp all-gather / reduce-scatter"),
+              "pp": ("tab:purple", "o", "pp send / receive"),
+              "world": ("tab:red", "*", "world all-reduce (grad norm)")}
+fig, ax = plt.subplots(figsize=(10, 4.2))
+for rank, r in enumerate(recorded):
+    for kind, _, mb, start, end in r["actions"]:
+        ax.barh(rank, (end - start) * 1e3, left=start * 1e3, height=0.6, edgecolor="black",
+                lw=0.4, color="tab:blue" if kind == "F" else "tab:orange")
+        ax.text((start + end) / 2 * 1e3, rank, str(mb), ha="center", va="center", fontsize=9,
+                color="white", fontweight="bold")
+    for axis, (color, marker, _) in AXIS_STYLE.items():
+        times = [t * 1e3 for a, _, t, _ in r["events"] if a == axis]
+        ax.scatter(times, [rank - 0.42] * len(times), color=color, marker=marker, s=28,
+                   zorder=3)
+ax.set_yticks(range(8), [f"rank {i}  (pp {r['coords']['pp']} dp {r['coords']['dp']} tp "
+                         f"{r['coords']['tp']})" for i, r in enumerate(recorded)], fontsize=10)
+ax.invert_yaxis()
+ax.set_xlabel("ms since the step began", fontsize=10)
+ax.tick_params(axis="x", labelsize=10)
+ax.set_title("One 1F1B step on pp 2 x dp 2 x tp 2 (numbers: microbatch)", fontsize=11,
+             loc="left")
+handles = [plt.Rectangle((0, 0), 1, 1, color="tab:blue"),
+           plt.Rectangle((0, 0), 1, 1, color="tab:orange")]
+handles += [plt.Line2D([], [], color=c, marker=mk, ls="") for c, mk, _ in AXIS_STYLE.values()]
+fig.legend(handles, ["forward", "backward", *[s[2] for s in AXIS_STYLE.values()]],
+           loc="lower center", ncol=3, fontsize=10, frameon=False)
+fig.tight_layout(rect=(0, 0.14, 1, 1))
+plt.show()
+
+# Read off the chart, checked: on every rank FSDP gathers the first block before any forward
+# finishes; the last stage starts microbatch 0 only after the first stage finished it (for
+# the same dp and tp slot), and the grad-norm all-reduce comes after every backward.
+for rank, r in enumerate(recorded):
+    first_gather = min(t for a, op, t, _ in r["events"] if a == "dp" and "gather" in op)
+    first_forward_end = min(end for kind, _, _, _, end in r["actions"] if kind == "F")
+    assert first_gather < first_forward_end, rank
+    norm = max(t for a, _, t, _ in r["events"] if a == "world")
+    assert norm > max(end for kind, _, _, _, end in r["actions"] if kind == "B"), rank
+for rank in range(4):  # pp 0 ranks; rank + 4 holds the next stage at the same (dp, tp)
+    f0 = [(s, e) for kind, _, mb, s, e in recorded[rank]["actions"] if kind == "F" and mb == 0]
+    f1 = [(s, e) for kind, _, mb, s, e in recorded[rank + 4]["actions"]
+          if kind == "F" and mb == 0]
+    assert f1[0][0] > f0[0][1], rank
+
+# %% [markdown]
+# ## 三种布局上的一致性，以及同一个检查点在三种布局上恢复训练
+#
+# 实验的 `--check-parity` 会在单个进程中用相同的全局 batch 重新训练一遍，然后比较最后一步之后的每个参数、第一步的梯度和每一步的 loss。计划如下，总共 12 步：
+#
+# 1. 在 pp 2 x dp 2 x tp 2 上不间断地跑完，得到 loss 的参考时间线；
+# 2. 同样的布局，在第 4 步停下，保存一个 DCP 检查点；
+# 3. 在 pp 1 x dp 2 x tp 4 上恢复训练（没有流水线，TP 跨 4 个 rank），在第 8 步停下；
+# 4. 在单进程（pp 1 x dp 1 x tp 1）中恢复训练，跑到第 12 步。
+#
+# 每一段恢复的训练也各自做一致性检查（它的参考从第 0 步开始训练），所以每种布局都与单进程对照过；而且串起来的 loss 必须与不间断那次运行的 loss 接得上。检查点以整个模型中的名字（`layers.3.attention.wq.weight`）保存每个张量，并记下每个分片的偏移量，所以任何布局都能读出自己需要的切片。
+
+# %%
+workdir = Path(tempfile.mkdtemp(prefix="lesson05-"))
+env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_lab(nproc, *args):
+    metrics_path = workdir / f"metrics-{len(list(workdir.glob('metrics-*')))}.json"
+    script = str(ROOT / "labs" / "lab05_3d.py")
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable])
+    cmd = [*launcher, script, "--metrics-out", str(metrics_path), *map(str, args)]
+    proc = subprocess.run(cmd, check=True, timeout=300, env=env, capture_output=True, text=True)
+    print(proc.stdout.strip().splitlines()[-1])
+    return json.loads(metrics_path.read_text())
+
+
+ckpt = workdir / "checkpoints"
+common = ["--steps", 12, "--log-every", 1, "--check-parity"]
+straight = run_lab(8, *common)
+legs = [run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 4),
+        run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 8,
+                "--pp", 1, "--dp", 2, "--tp", 4),
+        run_lab(1, *common, "--checkpoint-dir", ckpt)]
+
+# %%
+print("layout        steps   params   step-1 grads  losses")
+for m_ in [straight, *legs]:
+    grads = m_["grad_parity_max_abs_diff"]
+    print(f"{m_['pp_size']} x {m_['dp_size']} x {m_['tp_size']}     {m_['losses'][0][0]:>2}..{m_['losses'][-1][0]:<3}"
+          f"  {m_['parity_max_abs_diff']:.1e}  {'(resumed)' if grads is None else f'{grads:.1e}':>12}"
+          f"  {m_['loss_parity_max_abs_diff']:.1e}")
+    assert m_["parity_max_abs_diff"] <= 1e-5 and m_["loss_parity_max_abs_diff"] <= 1e-5
+    assert grads is None or grads <= 1e-5
+assert [(m_["pp_size"], m_["dp_size"], m_["tp_size"]) for m_ in legs] == [(2, 2, 2), (1, 2, 4),
+                                                                         (1, 1, 1)]
+chained = [loss for leg in legs for loss in leg["losses"]]
+assert [step for step, _ in chained] == list(range(1, 13))
+worst = max(abs(a - b) for (_, a), (_, b) in zip(chained, straight["losses"]))
+print(f"chained losses vs the uninterrupted run: max |diff| {worst:.1e} over 12 steps")
+assert worst <= 1e-5
+saved = sorted(p.name for p in (ckpt / "step_00000008").iterdir())
+print("the checkpoint of step 8, written by 8 ranks on 1 x 2 x 4:", saved)
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.2))
+ax.plot(*zip(*straight["losses"]), color="gray", lw=6, alpha=0.35,
+        label="uninterrupted, 2 x 2 x 2")
+for leg, color in zip(legs, ["tab:blue", "tab:orange", "tab:green"]):
+    steps, values = zip(*leg["losses"])
+    ax.plot(steps, values, "o-", color=color, ms=5,
+            label=f"{leg['pp_size']} x {leg['dp_size']} x {leg['tp_size']}, steps "
+                  f"{steps[0]}-{steps[-1]}")
+ax.set_xlabel("step", fontsize=10)
+ax.set_ylabel("loss", fontsize=10)
+ax.tick_params(labelsize=10)
+ax.legend(fontsize=10, frameon=False)
+ax.set_title("One run, three layouts (pp x dp x tp), one checkpoint format", fontsize=11,
+             loc="left")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 如何选择布局
+#
+# 从硬件和模型出发，按以下顺序决定：
+#
+# 1. **tp**：取能让一个 block 的权重和激活值放得下的最小并行度，且绝不超过一个节点内的 GPU 数（大多数服务器是 8）。每翻一倍，矩阵乘法减半，也不会引入新的集合通信；但每个 rank 的矩阵乘法变小了，它要分担的 all-reduce 却更大了。
+# 2. **pp**：只有在剩下的 GPU 上用 FSDP 仍然放不下模型，或者 FSDP 每步的通信在你的节点间链路上无法被重叠时才用。用的话，微批次数取 `m >= 4 pp`，让气泡 `(pp - 1) / (m + pp - 1)` 保持在较小水平（第 04 课）。
+# 3. **dp**：剩下的全部给它。它扩大 batch，配合 FSDP 还能均分优化器状态：就是上面从 64 块到 512 块 GPU 的那个方案。
+#
+# `--plan` 让你在向集群申请 GPU 之前，就能回答任意布局的显存问题。
+#
+# ## 小结
+#
+# - TP 每步发送数千次激活值大小的 all-reduce，FSDP 每个 block 一次 gather 和一次 reduce-scatter，PP 每个切分点每个微批次一个激活值：TP 放在节点内，PP 和 DP 跨节点。
+# - 实验从最外层开始构建 3D 设备网格 `("pp", "dp", "tp")`，并按 torchtitan 的顺序构建每个阶段：切分、TP、FSDP、物化。
+# - 在 8 个 rank 上实际计数，一步发起的集合通信与公式预测的完全一致。
+# - 三种布局与单进程训练出同一个模型（一致性误差在 1e-5 以内），同一个 DCP 检查点可以在它们之间迁移。
+#
+# ## 练习
+#
+# 1. **换一种布局来计数。** 用 `["--pp", "4", "--dp", "1", "--tp",
+#    "2"]` 重新运行记录器（4 个阶段，每个阶段 1 个 block）。先预测：中间阶段 send 和 receive 各 `2 m` 次；dp 为 1 时，FSDP 完全不发起集合通信（只有一个 rank 的组会被它跳过；入门路线的练习 5.1 会在每个 rank 上检查这一点）。
+# 2. **交错调度。** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
+#    Interleaved1F1B --dp 2 --tp 2 --check-parity`：2 个 pp rank 上共 4 个阶段。公式里哪些次数会翻倍？
+# 3. **规划你的集群。** 用 `--plan --model 70b --gpu H100-80GB` 找出能让方案放得下的最小 `--nproc`（32 的倍数，配合 `--pp 4 --tp 8`），然后试试 `--pp 8`。自查：dp 并行度等于 `nproc / 32`。
+#
+# ## 出问题时
+#
+# - 布局的乘积不等于 world size，或者 `--tp` 不能整除注意力头数：实验会用一行信息说明原因，并在任何进程启动之前以退出码 2 退出。
+# - 某个 rank 一直在等：每个维度的组都带有 `--timeout-s`（`init_mesh()`）；见[集合通信超时](../runbooks/collective-timeout.md)和[卡住的 rank](../runbooks/stuck-rank.md)。
+# - 第一个阶段显存不足：见 [OOM 的缓解手段](../runbooks/oom-mitigations.md)。
+# - 实验本身：[实验 05](../labs/lab05_3d.md)。

@@ -1,0 +1,118 @@
+"""The Chinese edition stays in step with the English one (tools/i18n.py).
+
+Every English page has its Chinese page and the reverse; a Chinese page records the hash of the
+English source it translates, and goes stale (named here) when the English changes; a
+translation keeps the code, the links and the headings, and uses the glossary's terms.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import i18n  # noqa: E402
+
+
+def test_every_english_page_has_its_chinese_page_and_the_reverse():
+    missing, _, orphaned = i18n.status()
+    assert missing == [], f"no Chinese page for: {missing}"
+    assert orphaned == [], f"Chinese pages whose English page is gone: {orphaned}"
+
+
+def test_no_chinese_page_is_older_than_its_english_page():
+    """Fix: update the translation, then `python tools/i18n.py stamp i18n/zh/<path>`."""
+    _, stale, _ = i18n.status()
+    assert stale == [], f"the English changed since these were translated: {stale}"
+
+
+def test_translations_keep_code_links_and_headings_and_use_the_glossary():
+    problems = [f"{zh.relative_to(REPO)}: {problem}"
+                for english in i18n.english_sources()
+                if (zh := i18n.zh_path(english)).exists()
+                for problem in i18n.problems_of(zh)]
+    assert problems == [], "\n".join(problems[:40])
+
+
+def test_the_glossary_is_well_formed():
+    terms = yaml.safe_load(i18n.TERMS.read_text())
+    preferred = {t["zh"] for t in terms}
+    for term in terms:
+        assert set(term) <= {"en", "zh", "avoid"} and term["en"] and term["zh"], term
+        for variant in term.get("avoid", []):
+            # A variant inside a preferred term would flag every correct use of it.
+            assert not any(variant in p for p in preferred), (variant, term)
+
+
+def test_search_segments_every_glossary_term_as_one_word():
+    """jieba's user dictionary (mkdocs.zh.yml, search.jieba_dict_user) holds each Chinese
+    term, so a search for it finds the pages that use it."""
+    words = set(i18n.ZH.joinpath("search-words.txt").read_text().split())
+    terms = yaml.safe_load(i18n.TERMS.read_text())
+    wanted = {t["zh"] for t in terms if t["zh"] != "keep" and " " not in t["zh"]}
+    assert wanted <= words, sorted(wanted - words)
+
+
+@pytest.fixture
+def tiny_course(tmp_path, monkeypatch):
+    """A course of one page and its translation, with tools/i18n.py pointed at it."""
+    (tmp_path / "docs").mkdir()
+    english = tmp_path / "docs" / "page.md"
+    english.write_text("# Title\n\nRun `torchrun --nproc-per-node 2 x.py`; see [it](b.md).\n\n"
+                       "## Why\n\nBecause.\n")
+    zh_root = tmp_path / "i18n" / "zh"
+    (zh_root / "docs").mkdir(parents=True)
+    (zh_root / "terms.yml").write_text("- {en: parallel, zh: 并行, avoid: [平行]}\n")
+    monkeypatch.setattr(i18n, "ROOT", tmp_path)
+    monkeypatch.setattr(i18n, "ZH", zh_root)
+    monkeypatch.setattr(i18n, "SOURCES", zh_root / "sources.json")
+    monkeypatch.setattr(i18n, "TERMS", zh_root / "terms.yml")
+    chinese = zh_root / "docs" / "page.md"
+    chinese.write_text("# 标题\n\n运行 `torchrun --nproc-per-node 2 x.py`；见[这里](b.md)。\n\n"
+                       "## 为什么\n\n因为。\n")
+    return english, chinese
+
+
+def test_the_drift_check_names_a_page_whose_english_changed(tiny_course):
+    english, chinese = tiny_course
+    assert i18n.status() == ([], ["docs/page.md"], [])  # never stamped
+    i18n.stamp([chinese])
+    assert i18n.status() == ([], [], [])
+    english.write_text(english.read_text() + "\nOne more sentence.\n")
+    assert i18n.status() == ([], ["docs/page.md"], [])
+    chinese.unlink()
+    assert i18n.status() == (["docs/page.md"], [], [])
+
+
+def test_the_checker_catches_changed_code_links_headings_and_avoided_terms(tiny_course):
+    _, chinese = tiny_course
+    good = chinese.read_text()
+    assert i18n.problems_of(chinese) == []
+    for broken, expected in [
+        (good.replace("--nproc-per-node 2", "--nproc-per-node 4"), "code spans"),
+        (good.replace("(b.md)", "(c.md)"), "links"),
+        (good.replace("## 为什么", "### 为什么"), "heading levels"),
+        (good.replace("因为。", "因为它是平行的。"), "平行"),
+    ]:
+        chinese.write_text(broken)
+        assert any(expected in p for p in i18n.problems_of(chinese)), expected
+
+
+def test_a_lesson_translation_must_keep_every_code_cell(tmp_path, monkeypatch):
+    english = REPO / "lessons" / "01_ddp.py"
+    zh_root = tmp_path / "zh"
+    target = zh_root / "lessons" / english.name
+    target.parent.mkdir(parents=True)
+    monkeypatch.setattr(i18n, "ZH", zh_root)
+    text = english.read_text()
+    code_line = next(line for line in text.splitlines() if line.startswith("import "))
+    target.write_text(text.replace(code_line, code_line + "  # changed", 1))
+    assert any("code differs" in p for p in i18n.problems_of(target))
+
+
+def test_sources_file_lists_only_pages_that_exist():
+    recorded = json.loads(i18n.SOURCES.read_text())
+    assert all((REPO / path).exists() for path in recorded), recorded
