@@ -141,9 +141,9 @@ def entry_problems(text):
             problems += [f"{heading}: not in the lesson: {a}" for a in asserts
                          if squash(a) not in source]
     skipped = text.split("\n## Skipped", 1)[1] if "\n## Skipped" in text else ""
-    skipped_items = re.findall(r"^- ((?:#\d+, )*#\d+) .+?: \S", skipped, re.M)
+    skipped_items = re.findall(r"^- \*((?:#\d+, )*#\d+)\* .+?: \S", skipped, re.M)
     if not skipped_items:
-        problems.append("no '## Skipped' list with '- #N claim: why' items")
+        problems.append("no '## Skipped' list with '- *#N* claim: why' items")
     for item in skipped_items:
         tags += TAG.findall(item)
     repeated = sorted({t for t in tags if tags.count(t) > 1}, key=int)
