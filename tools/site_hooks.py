@@ -270,14 +270,14 @@ def on_files(files, config):
         ENGLISH_MARKDOWN["reference/which-parallelism.md"] = decision_guide.page()
     add_generated(files, config, "reference/which-parallelism.md", guide)
     add_generated(files, config, "javascripts/error-messages.js", error_messages_script())
-    runbooks_root = ROOT if lang == "en" else site_i18n.ZH
-    for page in [runbooks_root / "runbooks" / "index.md", *runbook_paths()]:
-        page = runbooks_root / "runbooks" / page.name
-        if page.exists():
-            files.append(File(f"runbooks/{page.name}", str(runbooks_root), config.site_dir,
+    runbooks_root = ROOT if lang == "en" else site_i18n.ZH  # holds runbooks/
+    for name in ["index.md", *(p.name for p in runbook_paths())]:
+        if (runbooks_root / "runbooks" / name).exists():
+            files.append(File(f"runbooks/{name}", str(runbooks_root), config.site_dir,
                               config.use_directory_urls))
-            ENGLISH_MARKDOWN[f"runbooks/{page.name}"] = (ROOT / "runbooks" / page.name).read_text()
     if lang != "en":
+        for name in ["index.md", *(p.name for p in runbook_paths())]:
+            ENGLISH_MARKDOWN[f"runbooks/{name}"] = (ROOT / "runbooks" / name).read_text()
         for english in (ROOT / "docs").rglob("*"):
             relative = english.relative_to(ROOT / "docs").as_posix()
             if english.suffix == ".md":
