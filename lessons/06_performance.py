@@ -405,8 +405,8 @@ for name, tps in published.items():
 # - `torch.compile` buys little on a CPU step made of matmuls; the published GPU gain is 16%
 #   for an 8B model (not measured here).
 # - `labs/perf_model.py` predicts a step from FLOPs at the measured peak and collectives from
-#   the alpha-beta fit. It is a lower bound, and lands 9% to 37% under the measured step where
-#   compute dominates (the target is 35%); what it misses is named above. With datasheet
+#   the alpha-beta fit. It is a lower bound: where compute dominates, the measured step came
+#   out 9% to 37% above it (the target is 35%); what it misses is named above. With datasheet
 #   figures it predicts three times a published run's throughput: kernels run at a third of
 #   the peak.
 # - With stages heavy enough, the measured bubble lands on `(p - 1) / (m + p - 1)`.
