@@ -5,6 +5,7 @@ Runs after the lessons (testpaths order), so the build reuses the notebooks nbva
 """
 
 import functools
+import html
 import html.parser
 import http.server
 import json
@@ -246,6 +247,17 @@ def test_list_check_catches_a_list_broken_by_a_code_block():
     assert rendered_numbered_items(broken_html) == 1
     nested = "<ol><li>a<ol><li>x</li></ol></li><li>b</li></ol>"
     assert rendered_numbered_items(nested) == 2
+
+
+def test_the_chinese_glossary_shows_every_term_it_enforces(site):
+    import yaml
+
+    page = (site / "zh" / "reference" / "glossary.html").read_text()
+    terms = yaml.safe_load((REPO / "i18n" / "zh" / "terms.yml").read_text())
+    assert 'id="terms"' in page
+    missing = [t["en"] for t in terms
+               if f"<td>{html.escape(t['en'], quote=False)}</td>" not in page]
+    assert missing == []
 
 
 CHINESE_SEARCHES = [  # (a query as a Chinese reader types it, the page that must come first)

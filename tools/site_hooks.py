@@ -293,7 +293,10 @@ def on_page_markdown(markdown, page, config, files):
     english = ENGLISH_MARKDOWN.get(page.file.src_uri)
     if site_i18n.language(config) == "en" or english is None:
         return markdown
-    return site_i18n.with_english_anchors(markdown, english, config, page.file.src_uri)
+    markdown = site_i18n.with_english_anchors(markdown, english, config, page.file.src_uri)
+    if page.file.src_uri == "reference/glossary.md":  # the terms the Chinese pages use
+        markdown += "\n\n" + site_i18n.terms_section()
+    return markdown
 
 
 def on_page_context(context, page, config, nav):

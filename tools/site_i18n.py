@@ -72,6 +72,21 @@ def with_english_anchors(chinese_markdown, english_markdown, config, page_name):
     return "".join(out) + chinese_markdown[last:]
 
 
+def terms_section():
+    """The Chinese glossary page's table of terms, from the glossary file the tests enforce
+    (i18n/zh/terms.yml), so the reader sees exactly the terms the pages must use."""
+    import yaml
+
+    rows = ["## 中英术语对照 {#terms}", "",
+            "本表由 `i18n/zh/terms.yml` 生成：中文版各页只用这里的译法，测试会拒绝“不用”一栏里的"
+            "写法。“保留英文”表示中文页面直接写英文原词。", "",
+            "| English | 中文 | 不用 |", "|---|---|---|"]
+    for term in yaml.safe_load((ZH / "terms.yml").read_text()):
+        chinese = "保留英文" if term["zh"] == "keep" else term["zh"]
+        rows.append(f"| {term['en']} | {chinese} | {'、'.join(term.get('avoid', []))} |")
+    return "\n".join(rows) + "\n"
+
+
 # --- lessons -----------------------------------------------------------------------------
 
 def zh_lesson_source(lesson):
