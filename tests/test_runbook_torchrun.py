@@ -53,8 +53,8 @@ def runs(tmp_path_factory):
         "cf_sigkill": lambda: run_cmd(child_failed("--how", "sigkill", "--victims", "idle")),
         "cf_abort": lambda: run_cmd(child_failed("--how", "abort", "--victims", "idle")),
         "cf_preempted": lambda: run_cmd(child_failed("--how", "preempted", "--victims", "idle")),
-        # Both ranks exit before torchrun's first look (every 6 s here, 0.1 s by default).
-        "cf_tie": lambda: run_cmd(child_failed(torchrun=["--monitor-interval", "6"])),
+        # Both ranks exit between two of torchrun's looks (every 6 s here, 0.1 s by default).
+        "cf_tie": tie_run,
         "cf_none": lambda: run_cmd(child_failed("--how", "none")),
         "port_static": lambda: run_cmd(port_drill("--case", "static")),
         "port_env": lambda: run_cmd(port_drill("--case", "env")),
@@ -75,6 +75,23 @@ def runs(tmp_path_factory):
         results = {name: future.result() for name, future in futures.items()}
     results["log_dir"] = log_dir
     return results
+
+
+def failures_listed(result):
+    out = result["out"]
+    return len(re.findall(r"^\s+rank\s+: \d+ \(local_rank", out[out.rfind("Failures:"):], re.M))
+
+
+def tie_run(attempts=3):
+    """The drill with torchrun looking every 6 s. The victim dies a fraction of a second after
+    the rank that failed, so now and then a look falls between the two deaths (more often on
+    a loaded machine) and torchrun reports them apart: that run says nothing about ties, and
+    is repeated, up to `attempts` times. The test then demands the tie and its winner."""
+    for _ in range(attempts):
+        result = run_cmd(child_failed(torchrun=["--monitor-interval", "6"]))
+        if failures_listed(result) == 2:
+            break
+    return result
 
 
 def failed_with(result, *texts):
