@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
 import decision_guide  # noqa: E402  (tools/decision_guide.py)
 import error_index  # noqa: E402  (tools/error_index.py)
+import i18n  # noqa: E402  (tools/i18n.py: where each Chinese page lives)
 import lean  # noqa: E402  (tools/lean.py)
 import site_i18n  # noqa: E402  (tools/site_i18n.py: the Chinese edition)
 import verified  # noqa: E402  (tools/verified.py)
@@ -127,7 +128,7 @@ def lab_docstring(lab, lang):
     """The docstring the page shows: the lab's own, or its translation (i18n/zh/labs/)."""
     if lang == "en":
         return docstring(lab)
-    return (site_i18n.ZH / "labs" / f"{lab.stem}.md").read_text().strip()
+    return i18n.zh_path(lab).read_text().strip()
 
 
 def downloads(lab, say):
@@ -265,7 +266,7 @@ def on_files(files, config):
     if lang == "en":
         guide = decision_guide.page()
     else:
-        guide = decision_guide.page(site_i18n.ZH / "tools" / "templates" / "which-parallelism.md",
+        guide = decision_guide.page(i18n.zh_path(decision_guide.TEMPLATE),
                                     DECISION_GUIDE_LABELS_ZH)
         ENGLISH_MARKDOWN["reference/which-parallelism.md"] = decision_guide.page()
     add_generated(files, config, "reference/which-parallelism.md", guide)

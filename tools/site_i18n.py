@@ -16,10 +16,11 @@ from pathlib import Path
 
 import markdown
 
+import i18n  # tools/i18n.py: where each translation lives, and what it must keep
+
 ROOT = Path(__file__).resolve().parents[1]
-ZH = ROOT / "i18n" / "zh"
+ZH = i18n.ZH
 EXECUTED_ZH_ROOT = ROOT / "build" / "executed-zh"
-FENCE = re.compile(r"^( *)(```|~~~).*?^\1\2[ \t]*$", re.S | re.M)
 HEADING_LINE = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
 
 # The words the hooks write on generated pages and in the nav.
@@ -59,7 +60,7 @@ def heading_ids(markdown_text, config):
 def with_english_anchors(chinese_markdown, english_markdown, config, page_name):
     """The Chinese page with ` {#english-id}` after each heading (attr_list), in order."""
     ids = heading_ids(english_markdown, config)
-    fences = [(m.start(), m.end()) for m in FENCE.finditer(chinese_markdown)]
+    fences = [(m.start(), m.end()) for m in i18n.FENCE.finditer(chinese_markdown)]
     headings = [m for m in HEADING_LINE.finditer(chinese_markdown)
                 if not any(a <= m.start() < b for a, b in fences)]
     if len(headings) != len(ids):
@@ -81,7 +82,7 @@ def terms_section():
             "本表由 `i18n/zh/terms.yml` 生成：中文版各页只用这里的译法，测试会拒绝“不用”一栏里的"
             "写法。“保留英文”表示中文页面直接写英文原词。", "",
             "| English | 中文 | 不用 |", "|---|---|---|"]
-    for term in yaml.safe_load((ZH / "terms.yml").read_text()):
+    for term in yaml.safe_load(i18n.TERMS.read_text()):
         chinese = "保留英文" if term["zh"] == "keep" else term["zh"]
         rows.append(f"| {term['en']} | {chinese} | {'、'.join(term.get('avoid', []))} |")
     return "\n".join(rows) + "\n"
@@ -89,19 +90,15 @@ def terms_section():
 
 # --- lessons -----------------------------------------------------------------------------
 
-def zh_lesson_source(lesson):
-    return ZH / "lessons" / Path(lesson).name
-
-
 def zh_notebook(lesson, english_notebook):
     """The English executed notebook with the Chinese markdown cells: same code, same outputs."""
     import jupytext
 
-    chinese = jupytext.read(zh_lesson_source(lesson)).cells
+    chinese = jupytext.read(i18n.zh_path(Path(lesson))).cells
     notebook = json.loads(Path(english_notebook).read_text())
     cells = notebook["cells"]
     if [c["cell_type"] for c in cells] != [c.cell_type for c in chinese]:
-        raise ValueError(f"{zh_lesson_source(lesson).relative_to(ROOT)}: its cells are not the "
+        raise ValueError(f"{i18n.zh_path(Path(lesson)).relative_to(ROOT)}: its cells are not the "
                          "English lesson's (tools/i18n.py check)")
     for cell, translated in zip(cells, chinese):
         if cell["cell_type"] == "markdown":
