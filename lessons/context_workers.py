@@ -315,22 +315,21 @@ def rank_blocks_cpu_s(chunks, rank, world_size, layout):
     return work.cpu_s
 
 
-def block_costs(block_tokens, heads, head_dim, repeats=5):
+def block_costs(block_tokens, heads, head_dim, rounds=7):
     """Thread CPU seconds of one block's forward + backward, (diagonal, full), in this process
-    alone: the least of `repeats` runs, so no other process's work is in the figure."""
+    alone. The two kinds take turns, round after round, so a slow moment of the machine falls
+    on both alike; each figure is its least over the rounds."""
     q, k, v, dout = make_qkv(block_tokens, heads, head_dim)
-    lse, delta = torch.zeros(heads, block_tokens), torch.zeros(heads, block_tokens)
+    delta = torch.zeros(heads, block_tokens)
     scale = 1.0 / math.sqrt(head_dim)
-    costs = []
-    for diagonal in (True, False):
-        best = float("inf")
-        for _ in range(repeats):
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(rounds):
+        for diagonal in best:
             start = time.thread_time()
             _, block_lse = attention_block(q, k, v, scale, diagonal)
             block_backward(q, k, v, dout, block_lse, delta, scale, diagonal)
-            best = min(best, time.thread_time() - start)
-        costs.append(best)
-    return tuple(costs)
+            best[diagonal] = min(best[diagonal], time.thread_time() - start)
+    return best[True], best[False]
 
 
 def ring_memory(rank, world_size, seq_lens, heads=4, head_dim=16):
