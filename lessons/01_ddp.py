@@ -455,7 +455,7 @@ else:
 #
 # ## Exercises
 #
-# 1. **`--bucket-cap-mb`**: predict the number of all-reduces per backward for a cap of 0.1 MB
+# 1. **`--bucket-cap-mb`**: predict the number of all-reduces per backward for a cap of 0.1 MiB
 #    with the rule above, then check it with `ddp_workers.count_buckets`.
 #    Self-check: `assert per_backward <= math.ceil(558_336 / (0.1 * 2**20))`.
 # 2. **`set_epoch`**: comment out `sampler.set_epoch(epoch)` in a copy of the lab and show that
@@ -468,7 +468,7 @@ else:
 #
 # <details><summary>Worked answer to exercise 1</summary>
 #
-# 0.1 MB = 104,857.6 bytes; 558,336 / 104,857.6 = 5.3, so at most 6 buckets, and at least
+# 0.1 MiB = 104,857.6 bytes; 558,336 / 104,857.6 = 5.3, so at most 6 buckets, and at least
 # floor(558,336 / (104,857.6 + 65,536)) = 3: the measured count must land in 3..6, and
 # `count_buckets` shows where.
 # </details>

@@ -57,7 +57,7 @@ from spawn import run_workers  # noqa: E402
 #
 # Data parallelism (lessons 01, 02) gives every rank the whole model's *computation*: even
 # with FSDP sharding the storage, each rank still runs every layer. Pipeline parallelism (PP)
-# cuts the model by layers: rank 0 runs layers 0..k, rank 1 the next k, and so on. What
+# cuts the model by layers: rank 0 runs layers 0..k-1, rank 1 the next k, and so on. What
 # crosses the cut is one activation tensor per microbatch going forward and its gradient
 # coming back, point-to-point between neighbours, no collective at all. That is why PP is the
 # parallelism that tolerates slow links (across nodes), and why it is the one to reach for when
@@ -269,7 +269,7 @@ for m in runs.values():
 # ## Measured bubble against theory
 #
 # For each step the lab computes, per rank, `1 - busy / span` (span from the first action on
-# any rank to the last) and averages the ranks. It reports two numbers:
+# any rank to the last) and averages the ranks. It reports three numbers:
 #
 # - **measured**: wall clock, the median step. It includes everything real: send/recv latency,
 #   Python overhead between actions, and on a shared machine, other processes taking the core.

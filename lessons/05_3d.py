@@ -214,10 +214,12 @@ for rank, r in enumerate(recorded):
 
 # %% [markdown]
 # Every rank issued exactly the predicted operations: 51 on a first-stage rank, 55 on a
-# last-stage rank, of which 36 and 40 are TP's. TP's scale with `m x L`, while FSDP's scale with `L` only and PP's with `m` only: on a real
-# model (80 blocks, 8 or more microbatches) TP issues thousands of collectives per step, which is
-# why it needs the fastest links and why sequence parallel and asynchronous TP work so hard
-# to hide them.
+# last-stage rank, of which 36 and 40 are TP's. TP's scale with `m x L`, while FSDP's scale
+# with `L` only and PP's with `m` only. On the 70B layout above (pp 4, so 20 blocks a stage,
+# and 8 microbatches) the same formula gives 8 x (4 x 20 + 1) = 648 TP all-reduces per step
+# on a first- or last-stage rank (8 x 80 = 640 on an interior one), against 21 all-gathers
+# and 21 reduce-scatters for FSDP: hundreds of TP collectives per step, which is why TP needs
+# the fastest links and why sequence parallel and asynchronous TP work so hard to hide them.
 
 # %% [markdown]
 # ## One step on one timeline
@@ -374,9 +376,9 @@ plt.show()
 #
 # ## Summary
 #
-# - TP sends thousands of activation-sized all-reduces per step, FSDP one gather and one
-#   reduce-scatter per block, PP one activation per microbatch per cut: TP in a node, PP and
-#   DP across.
+# - TP sends hundreds of activation-sized all-reduces per step (648 on a first-stage rank of
+#   the 70B layout), FSDP one gather and one reduce-scatter per block, PP one activation per
+#   microbatch per cut: TP in a node, PP and DP across.
 # - The lab builds the 3-D mesh outermost first, `("pp", "dp", "tp")`, and each stage in
 #   torchtitan's order: cut, TP, FSDP, materialise.
 # - Counted on 8 ranks, one step issued exactly the collectives the formula predicts.
@@ -394,7 +396,8 @@ plt.show()
 #    the formula double?
 # 3. **Plan your cluster.** With `--plan --model 70b --gpu H100-80GB`, find the smallest
 #    `--nproc` (a multiple of 32, with `--pp 4 --tp 8`) at which the plan fits, then try
-#    `--pp 8`. Self-check: the dp degree is `nproc / 32`.
+#    `--pp 8` (a multiple of 64). Self-check: the dp degree is `nproc / (pp x tp)`, so
+#    `nproc / 32` for pp 4 x tp 8 and `nproc / 64` for pp 8 x tp 8.
 #
 # ## If it breaks
 #

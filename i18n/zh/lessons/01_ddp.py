@@ -361,14 +361,14 @@ else:
 #
 # ## 练习
 #
-# 1. **`--bucket-cap-mb`**：用上面的规则预测上限为 0.1 MB 时每次反向传播的 all-reduce 次数，再用 `ddp_workers.count_buckets` 验证。自测：`assert per_backward <= math.ceil(558_336 / (0.1 * 2**20))`。
+# 1. **`--bucket-cap-mb`**：用上面的规则预测上限为 0.1 MiB 时每次反向传播的 all-reduce 次数，再用 `ddp_workers.count_buckets` 验证。自测：`assert per_backward <= math.ceil(558_336 / (0.1 * 2**20))`。
 # 2. **`set_epoch`**：在实验脚本的副本中注释掉 `sampler.set_epoch(epoch)`，证明 epoch 2 看到的顺序与 epoch 1 相同（提示：打印 `list(sampler)` 的前几个索引）。
 # 3. **单进程参考**：修改 `train_reference`，让它每步只用一个大 batch（把各微批次拼接起来，grad_accum 取 1），在 4 个 rank 上测量一致性；然后把优化器换成 SGD 再测一次。解释两者的差异。
 # 4. **恢复训练**：先用 `--checkpoint-dir ckpt --stop-at-step 15` 运行，再去掉 `--stop-at-step` 运行一次；把最终的检查点与一次未中断运行的结果比较（`torch.equal`）。
 #
 # <details><summary>练习 1 的参考答案</summary>
 #
-# 0.1 MB = 104,857.6 字节；558,336 / 104,857.6 = 5.3，所以最多 6 个桶；至少 floor(558,336 / (104,857.6 + 65,536)) = 3 个。实测次数必然落在 3..6 之间，具体是几个，`count_buckets` 会告诉你。
+# 0.1 MiB = 104,857.6 字节；558,336 / 104,857.6 = 5.3，所以最多 6 个桶；至少 floor(558,336 / (104,857.6 + 65,536)) = 3 个。实测次数必然落在 3..6 之间，具体是几个，`count_buckets` 会告诉你。
 # </details>
 #
 # ## 出问题时

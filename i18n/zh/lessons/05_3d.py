@@ -182,7 +182,7 @@ for rank, r in enumerate(recorded):
     assert r["counts"] == predicted_counts(first, last), (rank, r["counts"])
 
 # %% [markdown]
-# 每个 rank 发起的操作都与预测完全一致：第一个阶段的 rank 共 51 次，最后一个阶段的 rank 共 55 次，其中 TP 分别占 36 次和 40 次。TP 的次数随 `m x L` 增长，而 FSDP 的只随 `L` 增长，PP 的只随 `m` 增长。在真实模型上（80 个 block，8 个或更多微批次），TP 每步要发起数千次集合通信。这就是它需要最快链路的原因，也是序列并行和异步 TP 要费那么大力气把这些通信藏起来的原因。
+# 每个 rank 发起的操作都与预测完全一致：第一个阶段的 rank 共 51 次，最后一个阶段的 rank 共 55 次，其中 TP 分别占 36 次和 40 次。TP 的次数随 `m x L` 增长，而 FSDP 的只随 `L` 增长，PP 的只随 `m` 增长。在上面的 70B 布局上（pp 4，即每个阶段 20 个 block，8 个微批次），同一公式给出第一个或最后一个阶段的 rank 每步 8 x (4 x 20 + 1) = 648 次 TP all-reduce（中间阶段的 rank 为 8 x 80 = 640 次），而 FSDP 只有 21 次 all-gather 和 21 次 reduce-scatter：TP 每步要发起数百次集合通信。这就是 TP 需要最快链路的原因，也是序列并行和异步 TP 要费那么大力气把这些通信藏起来的原因。
 
 # %% [markdown]
 # ## 把一步画在一条时间线上
@@ -325,7 +325,7 @@ plt.show()
 #
 # ## 小结
 #
-# - TP 每步发送数千次激活值大小的 all-reduce，FSDP 每个 block 一次 gather 和一次 reduce-scatter，PP 每个切分点每个微批次一个激活值：TP 放在节点内，PP 和 DP 跨节点。
+# - TP 每步发送数百次激活值大小的 all-reduce（在 70B 布局上第一个阶段的 rank 为 648 次），FSDP 每个 block 一次 gather 和一次 reduce-scatter，PP 每个切分点每个微批次一个激活值：TP 放在节点内，PP 和 DP 跨节点。
 # - 实验从最外层开始构建 3D 设备网格 `("pp", "dp", "tp")`，并按 torchtitan 的顺序构建每个阶段：切分、TP、FSDP、物化。
 # - 在 8 个 rank 上实际计数，一步发起的集合通信与公式预测的完全一致。
 # - 三种布局与单进程训练出同一个模型（一致性误差在 1e-5 以内），同一个 DCP 检查点可以在它们之间迁移。
@@ -336,7 +336,7 @@ plt.show()
 #    "2"]` 重新运行记录器（4 个阶段，每个阶段 1 个 block）。先预测：中间阶段 send 和 receive 各 `2 m` 次；dp 为 1 时，FSDP 完全不发起集合通信（只有一个 rank 的组会被它跳过；入门路线的练习 5.1 会在每个 rank 上检查这一点）。
 # 2. **交错调度。** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
 #    Interleaved1F1B --dp 2 --tp 2 --check-parity`：2 个 pp rank 上共 4 个阶段。公式里哪些次数会翻倍？
-# 3. **规划你的集群。** 用 `--plan --model 70b --gpu H100-80GB` 找出能让方案放得下的最小 `--nproc`（32 的倍数，配合 `--pp 4 --tp 8`），然后试试 `--pp 8`。自查：dp 并行度等于 `nproc / 32`。
+# 3. **规划你的集群。** 用 `--plan --model 70b --gpu H100-80GB` 找出能让方案放得下的最小 `--nproc`（32 的倍数，配合 `--pp 4 --tp 8`），然后试试 `--pp 8`（64 的倍数）。自查：dp 并行度等于 `nproc / (pp x tp)`，即 pp 4 x tp 8 时为 `nproc / 32`，pp 8 x tp 8 时为 `nproc / 64`。
 #
 # ## 出问题时
 #
