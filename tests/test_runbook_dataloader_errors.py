@@ -111,6 +111,25 @@ def failures():
     return run_until_line(cmd, "case omp-fork: failed", timeout=180)
 
 
+WORKER_OSERROR = "OSError: [Errno 24] Too many open files"
+
+
+@pytest.fixture(scope="module")
+def fd_cases_with_oserror(failures):
+    """The output of the two fd-limit cases, with the OSError tracebacks that the workers'
+    multiprocessing code prints around them (resource_sharer's DupFd, its accept loop, the temp
+    dir's removal at exit). Which of them appear is a race: alone, every run here printed some;
+    once, on a machine loaded far past its cores, a run printed none. So when `failures` has
+    none, the two cases run again, alone, up to three times."""
+    output = failures[failures.index("case fd-limit: failed"):failures.index("case shm-full")]
+    cmd = [PYTHON, str(DRILL), "--case", "fd-limit", "fd-limit-feeder", "--timeout-s", "2"]
+    for _ in range(3):
+        if WORKER_OSERROR in output:
+            break
+        output = run_until_line(cmd, "\0never printed", timeout=60)
+    return output
+
+
 @pytest.fixture(scope="module")
 def fixes():
     """Every documented fix, and the one piece of advice that is not a fix for a full /dev/shm
@@ -197,9 +216,11 @@ def test_fd_limit_in_a_worker_loses_the_batch_and_the_loader_waits(failures):
     assert re.search(r"in _feed\n(?:.*\n)*?RuntimeError: unable to open shared memory object "
                      r"</torch_\d+_\d+_\d+> in read-write mode: Too many open files \(24\)", before)
     assert "Caught" not in before  # the feeder thread is outside the worker's error wrapper
-    # More from the worker's multiprocessing code, before the timeout or while it exits.
-    assert "OSError: [Errno 24] Too many open files" in failures[start:failures.index(
-        "case shm-full")]
+
+
+def test_the_workers_multiprocessing_code_adds_oserrors(fd_cases_with_oserror):
+    """More from the worker's multiprocessing code, before the timeout or while it exits."""
+    assert WORKER_OSERROR in fd_cases_with_oserror
 
 
 def test_full_shm_fails_in_the_worker_with_no_space(failures):
@@ -282,10 +303,13 @@ def in_torch(relative, text):
 
 
 @pytest.mark.parametrize("quote", list(QUOTES), ids=lambda q: q[:40])
-def test_each_quote_is_on_its_page_in_drill_output_and_in_torch(quote, failures, fixes):
+def test_each_quote_is_on_its_page_in_drill_output_and_in_torch(quote, failures, fixes,
+                                                                 request):
     page, source = QUOTES[quote]
     assert quote in page_text(page), f"{page} does not quote {quote!r}"
     out = failures + fixes[1]
+    if quote == WORKER_OSERROR:
+        out = request.getfixturevalue("fd_cases_with_oserror")
     if "shm(shm)" in quote or "No space left" in quote:
         skip_if_no_namespace(out, "shm-full")
     assert quote in out, f"no drill printed {quote!r}"
