@@ -83,7 +83,7 @@ def execute_lessons():
 
 
 def build_site():
-    print("[site] mkdocs build --strict: English, then 简体中文 (site/zh/)", flush=True)
+    print("[site] mkdocs build --strict: English and 简体中文 (site/zh/), at the same time", flush=True)
     seconds = build_site.build(quiet=True)
     print("    " + " | ".join(f"{lang} {s:.0f} s" for lang, s in seconds.items()), flush=True)
     return ROOT / "site" / "index.html"

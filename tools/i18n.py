@@ -22,6 +22,7 @@ Usage:
     python tools/i18n.py status                missing, stale and orphaned translations
 """
 
+import ast
 import hashlib
 import json
 import re
@@ -71,8 +72,7 @@ def english_path(zh):
 
 
 def lab_docstring(path):
-    import ast
-
+    """A lab's module docstring as Python reads it (escapes such as a trailing \\ resolved)."""
     return ast.get_docstring(ast.parse(path.read_text())) or ""
 
 

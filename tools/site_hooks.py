@@ -8,7 +8,6 @@
 - the nav is built from what exists, in course order.
 """
 
-import ast
 import difflib
 import json
 import re
@@ -37,7 +36,7 @@ def runbook_paths():
 
 def docstring(path):
     """The module docstring as Python sees it (escapes such as a trailing \\ resolved)."""
-    return (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
+    return i18n.lab_docstring(path).strip()
 
 
 _GUIDE = re.compile(r"^(?:Use it in your project:|在你的项目中使用：)\n((?:  .*(?:\n|$))+)", re.M)
