@@ -7,6 +7,7 @@ flag, and its source none of their code."""
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -36,11 +37,11 @@ def lean_copy(lab_path, folder):
 @pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
 def test_a_lean_copy_holds_no_teaching_or_drill_code(lab_path, tmp_path):
     copy = lean_copy(lab_path, tmp_path / "alone")
-    helptext = subprocess.run([PYTHON, str(copy), "--help"], capture_output=True, text=True,
-                              timeout=60, cwd=copy.parent, check=True).stdout
+    with ThreadPoolExecutor(2) as pool:  # two interpreters importing torch: side by side
+        helptext, full_help = pool.map(lambda path: run([PYTHON, str(path), "--help"],
+                                                        timeout=60, cwd=path.parent).stdout,
+                                       [copy, lab_path])
     source = copy.read_text()
-    full_help = subprocess.run([PYTHON, str(lab_path), "--help"], capture_output=True,
-                               text=True, timeout=60, check=True).stdout
     assert "--check-parity" in full_help  # the full lab has them
     for flag in TEACHING_FLAGS:
         assert flag not in helptext and f'"{flag}"' not in source, flag
@@ -60,17 +61,19 @@ def test_a_lean_copy_alone_trains_like_the_full_lab_and_resumes(lab_path, tmp_pa
     full lab's, bit for bit, before the stop (the same training, less code) and after the
     resume (its checkpoint and resume work)."""
     copy = lean_copy(lab_path, tmp_path / "alone")
-    _, full = run_lab(lab_path.stem, 2, STEPS, tmp_path)
 
-    def lean_run(*args):
-        out = copy.parent / f"metrics-{len(list(copy.parent.glob('metrics-*')))}.json"
+    def lean_run(name, *args):
+        out = copy.parent / f"metrics-{name}.json"
         proc = run(torchrun_cmd(copy, 2, [*STEPS, *args, "--metrics-out", str(out)]),
                    cwd=copy.parent, timeout=240)
         return proc, losses(out)
 
     ckpt = copy.parent / "ckpt"
-    _, first = lean_run("--checkpoint-dir", str(ckpt), "--stop-at-step", "12")
-    proc, resumed = lean_run("--checkpoint-dir", str(ckpt))
+    with ThreadPoolExecutor(2) as pool:  # the full lab and the lean copy's first leg overlap
+        full_run = pool.submit(run_lab, lab_path.stem, 2, STEPS, tmp_path, timeout=240)
+        _, first = lean_run("first", "--checkpoint-dir", str(ckpt), "--stop-at-step", "12")
+        _, full = full_run.result()
+    proc, resumed = lean_run("resumed", "--checkpoint-dir", str(ckpt))
     assert "resumed from" in proc.stdout
     assert first == full["losses"][:12]
     assert resumed == full["losses"][12:]
