@@ -4,7 +4,7 @@
 
 With N = torch.cuda.device_count() it runs, in this order:
   1. every lab under torchrun at world size N on NCCL, twice: its GPU defaults (`--device cuda`,
-     the default --amp) for 40 steps, and fp32 (`--check-parity --amp off`, lab02 also
+     the default --amp) for 40 steps, and fp32 (`--check-parity --amp off`; labs 02, 07, 08 also
      `--mixed-precision fp32`), which retrains in one process and compares every parameter;
   2. the GPU tier of the test suite, `pytest -m gpu tests` (the tests marked gpu: the real
      CUDA OOM and the runbook's prediction of it, memory snapshots, expandable_segments, the
@@ -26,6 +26,7 @@ GPU: one line and exit 1, since nothing was checked.
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import signal
@@ -42,7 +43,10 @@ import verified  # tools/verified.py: where the results go and how pages read th
 ROOT = Path(__file__).resolve().parents[1]
 LABS_DIR = ROOT / "labs"
 PYTHON = sys.executable
-LABS = ("lab01_ddp", "lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline", "lab05_3d")
+LABS = ("lab01_ddp", "lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline", "lab05_3d",
+        "lab07_context_parallel", "lab08_expert_parallel")
+# Labs whose FSDP MixedPrecisionPolicy (--mixed-precision) follows --amp: fp32 for parity.
+FSDP_POLICY_LABS = ("lab02_fsdp", "lab07_context_parallel", "lab08_expert_parallel")
 NO_GPU = ("gpu-check: no CUDA GPU visible (torch.cuda.is_available() is False): nothing to "
           "check; run it on a GPU machine")
 PIPELINE_SKIP = "the pipeline lab needs >= 2 GPUs"
@@ -68,6 +72,10 @@ def world_size_args(lab, num_gpus):
         # must split into equal microbatches; at N <= 4 this is the lab's default (4, 8).
         num_microbatches = max(4, num_gpus)
         return ["--microbatches", num_microbatches, "--batch-size", 2 * num_microbatches]
+    if lab == "lab07_context_parallel":  # cp must divide the world and split the debug
+        return ["--cp", math.gcd(num_gpus, 8)]  # model's 32 tokens into 2 cp equal chunks
+    if lab == "lab08_expert_parallel":  # ep must divide the world and the 8 experts
+        return ["--ep", math.gcd(num_gpus, 8)]
     return []
 
 
@@ -87,7 +95,7 @@ def planned_runs(num_gpus, out_dir):
             runs += [{"lab": lab, "what": what, "model": "debug", "metrics": None, "cmd": None,
                       "skip": PIPELINE_SKIP} for what in ("defaults", "parity")]
             continue
-        fp32 = ["--mixed-precision", "fp32"] if lab == "lab02_fsdp" else []  # FSDP's own policy
+        fp32 = ["--mixed-precision", "fp32"] if lab in FSDP_POLICY_LABS else []
         runs.append(lab_run(lab, "defaults", num_gpus, ["--steps", STEPS], out_dir))
         runs.append(lab_run(lab, "parity", num_gpus,
                             ["--steps", STEPS, "--check-parity", "--amp", "off", *fp32], out_dir))
