@@ -2,8 +2,8 @@
 
 Each worker is `fn(rank, world_size, *args)` and runs inside a gloo process group that
 lessons/spawn.py has already started; what it returns comes back to the notebook. They live in
-a module, not in notebook cells, because the spawn start method re-imports them by name in
-every child process.
+a module, not in notebook cells, because each child process imports them by name (see
+lessons/spawn.py).
 
 The file is also a torchrun script, so the lesson can show what torchrun really starts:
     torchrun --standalone --nproc-per-node 2 lessons/collective_workers.py --out env.json

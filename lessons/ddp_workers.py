@@ -1,4 +1,4 @@
-"""Worker functions for lessons/01_ddp.py (they must be importable for the spawn start method).
+"""Worker functions for lessons/01_ddp.py (each child process imports them by name).
 
 Each runs inside a gloo process group started by spawn.run_workers and returns plain numbers.
 The model and data come from the lab itself, so the lesson studies the code it runs.

@@ -1,4 +1,4 @@
-"""Worker functions for lessons/02_fsdp.py (importable, so the spawn start method finds them).
+"""Worker functions for lessons/02_fsdp.py (each child process imports them by name).
 
 Each runs inside a gloo process group started by spawn.run_workers and returns plain data.
 Model building, sharding and measuring come from labs/lab02_fsdp.py itself, so the lesson

@@ -1,4 +1,4 @@
-"""Worker functions for lessons/03_tp_fsdp.py (importable, for the spawn start method).
+"""Worker functions for lessons/03_tp_fsdp.py (each child process imports them by name).
 
 Each runs inside a gloo process group started by spawn.run_workers and returns plain values.
 The model, plans and mesh code come from labs/lab03_tp_fsdp.py, so the lesson studies the code

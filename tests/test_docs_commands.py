@@ -7,13 +7,13 @@ every `--flag` is accepted by the script's argparse parser (or by torchrun's own
 
 import re
 import shlex
-import subprocess
-import sys
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 from torch.distributed.run import get_args_parser
+
+from launcher import help_texts
 
 REPO = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
@@ -54,12 +54,32 @@ def parse_command(line):
     return torchrun_flags, rest[script_index], rest[script_index + 1:]
 
 
+def script_commands():
+    """(script, *subcommand) for every `python script ...` or `torchrun ... script ...` line
+    of every page whose script exists: each needs its --help (and its subcommand's)."""
+    for page in pages():
+        for line in command_lines(page.read_text()):
+            parsed = parse_command(line)
+            if parsed is None or not parsed[1] or not (REPO / parsed[1]).is_file():
+                continue
+            _, script, args = parsed
+            yield (script,)
+            if args and not args[0].startswith("-"):
+                yield (script, args[0])
+
+
 @lru_cache(maxsize=None)
+def help_of_every_page_command():
+    """All the --help texts the pages need, printed by one interpreter (launcher.help_texts)."""
+    return help_texts([(REPO / script, *words) for script, *words in set(script_commands())])
+
+
 def script_flags(script, subcommand=None):
     """Flags in the script's --help (and its subcommand's, for scripts that have them)."""
-    words = [subcommand] if subcommand else []
-    help_text = subprocess.run([sys.executable, str(REPO / script), *words, "--help"],
-                               capture_output=True, text=True, timeout=120).stdout
+    command = (REPO / script, *([subcommand] if subcommand else []))
+    key = " ".join(map(str, command))
+    texts = help_of_every_page_command()
+    help_text = texts[key] if key in texts else help_texts([command])[key]
     return set(re.findall(r"(--[a-z][a-z0-9-]*)", help_text))
 
 

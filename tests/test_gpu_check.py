@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import LABS, PYTHON, REPO, load_script, quiet_env, run_lab
+from launcher import LABS, PYTHON, REPO, help_texts, load_script, quiet_env, run_lab
 
 import gpu_check  # tools/gpu_check.py (the root conftest.py puts tools/ on sys.path)
 import verified
@@ -44,13 +44,10 @@ def every_run(num_gpus, tmp_path):
 
 @pytest.fixture(scope="module")
 def lab_flags():
-    """{lab: the set of flags its --help lists}, one --help per lab."""
-    flags = {}
-    for lab in gpu_check.LABS:
-        out = subprocess.run([PYTHON, str(LABS / f"{lab}.py"), "--help"], capture_output=True,
-                             text=True, timeout=120, env=quiet_env(), check=True).stdout
-        flags[lab] = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out))
-    return flags
+    """{lab: the set of flags its --help lists}, every lab's --help from one interpreter."""
+    texts = help_texts([(LABS / f"{lab}.py",) for lab in gpu_check.LABS])
+    return {lab: set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", texts[str(LABS / f"{lab}.py")]))
+            for lab in gpu_check.LABS}
 
 
 def test_without_a_gpu_one_line_and_exit_1():
