@@ -274,8 +274,15 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 # the formula (1F1B even above GPipe). Make each stage's work about 600 times larger (width
 # 512, 128 tokens per sequence, 4 sequences per microbatch) and the step is compute: then the
 # measured bubble should land within 15% of `(p - 1) / (m + p - 1)`, and the interleaved
-# schedule below it. The cell prints whether this run met the 15% target; it fails only past
-# 30%, because on a shared 2-core VM a run now and then lands above the target.
+# schedule below it.
+#
+# Which step's bubble? Each of the 7 steady steps (the first also infers shapes) has its own,
+# and on a shared VM they spread: GPipe's ran from 0.20 to 0.26 in one run while writing
+# this, against a formula of 0.20. A step's idle time only grows when something takes a core
+# from a rank: another process, gloo's threads, or the hypervisor, which took 10 to 15% of
+# this VM's CPU time (vmstat's `st` column). So the step with the least idle time is the
+# schedule's own bubble, as a benchmark keeps the fastest of its repeats. The cell asserts
+# that one within 15% of the formula, and prints the median step beside it.
 
 # %%
 HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers", "4",
@@ -285,18 +292,24 @@ HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers",
 
 bubbles = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name)["bubble"]
            for name in ("GPipe", "1F1B", "Interleaved1F1B")}
+
+
+def least_idle(bubble):
+    """The bubble of the steady step (the first also infers shapes) with the least idle time:
+    the schedule's own. Time taken from a rank in any other step only adds idle time."""
+    return min(bubble["measured_all_steps"][1:])
+
+
 for name, b in bubbles.items():
-    print(f"{name:16s} formula {b['formula']:.3f} | measured {b['measured']:.3f} "
+    print(f"{name:16s} formula {b['formula']:.3f} | least idle step {least_idle(b):.3f} "
+          f"({least_idle(b) / b['formula'] - 1:+.0%}) | median step {b['measured']:.3f} "
           f"({b['measured'] / b['formula'] - 1:+.0%}) | replayed {b['replayed']:.3f}")
 for name in ("GPipe", "1F1B"):
-    off = abs(bubbles[name]["measured"] / bubbles[name]["formula"] - 1)
-    print(f"{name}: {off:.0%} from the formula, {'within' if off <= 0.15 else 'outside'} "
-          f"the 15% target")
-    # The target holds in most runs on this VM (+8% and +12% in a clean run); a run where
-    # another process takes a core lands above it, so only a regression far past it fails.
-    assert off <= 0.3, (name, bubbles[name])
-assert bubbles["Interleaved1F1B"]["measured"] < min(bubbles["GPipe"]["measured"],
-                                                    bubbles["1F1B"]["measured"])
+    assert abs(least_idle(bubbles[name]) / bubbles[name]["formula"] - 1) <= 0.15, bubbles[name]
+for estimate in (least_idle, lambda b: b["measured"]):
+    interleaved, others = estimate(bubbles["Interleaved1F1B"]), [
+        estimate(bubbles[name]) for name in ("GPipe", "1F1B")]
+    assert interleaved < min(others), (interleaved, others)
 
 # %% [markdown]
 # ## A step-time model, checked against measured steps

@@ -4,6 +4,7 @@ Every launch has a timeout, and a failure shows the full output of every rank, s
 test says which rank broke and how.
 """
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -118,6 +119,17 @@ def run(cmd, timeout=180, env=None, check=True, cwd=None):
         raise LaunchError(f"exit {proc.returncode}: {' '.join(cmd)}\n"
                           f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
     return proc
+
+
+def run_all(commands, timeout=180, envs=None):
+    """run(command, env=envs[i], check=False) for every command, as many at a time as there are
+    cores, results in the given order. A one-process command (a refusal, a --plan) keeps one
+    core busy importing torch, so side by side they take half the time, and each sees what it
+    would see alone."""
+    envs = envs or [None] * len(commands)
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        return list(pool.map(lambda cmd, env: run(cmd, timeout=timeout, env=env, check=False),
+                             commands, envs))
 
 
 def run_lab(lab, nproc, args=(), tmp_path=None, timeout=180, env=None, check=True):

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 import torch
 
-from launcher import LABS, PYTHON, run, run_lab
+from launcher import LABS, PYTHON, run, run_all, run_lab
 
 LAB = "lab01_ddp"
 
@@ -94,10 +94,17 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def refusals():
+    """{args: the finished process} for every BAD_INPUTS case, each its own plain process,
+    side by side (launcher.run_all)."""
+    commands = [[PYTHON, str(LABS / f"{LAB}.py"), *args] for args, _ in BAD_INPUTS]
+    return dict(zip((tuple(args) for args, _ in BAD_INPUTS), run_all(commands, timeout=60)))
+
+
 @pytest.mark.parametrize("args,flag", BAD_INPUTS, ids=[b[1] + ":" + b[0][-1] for b in BAD_INPUTS])
-def test_bad_input_is_one_clear_line(args, flag):
-    proc = subprocess.run([PYTHON, str(LABS / f"{LAB}.py"), *args], capture_output=True,
-                          text=True, timeout=60)
+def test_bad_input_is_one_clear_line(args, flag, refusals):
+    proc = refusals[tuple(args)]
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from launcher import LABS, PYTHON, run, run_lab
+from launcher import LABS, PYTHON, run, run_all, run_lab
 
 LAB = "lab02_fsdp"
 STEPS = 12
@@ -231,16 +231,27 @@ def test_compile_with_bf16_mixed_precision(tmp_path):
     assert metrics["first_step_s"] > 0 and proc.stdout.strip().splitlines()[-1].startswith("done")
 
 
-@pytest.mark.parametrize("args, world_size, flag", [
+BAD_INPUTS = [
     (["--hsdp", "3"], 4, "--hsdp"),
     (["--mixed-precision", "fp8"], 2, "--mixed-precision"),
     (["--strategy", "ddp", "--mixed-precision", "fp16"], 2, "--mixed-precision"),
     (["--strategy", "ddp", "--cpu-offload"], 2, "--cpu-offload"),
     (["--check-parity", "--mixed-precision", "bf16"], 2, "--check-parity"),
-])
-def test_bad_input_is_one_clear_line(args, world_size, flag):
-    proc = run([PYTHON, str(LABS / f"{LAB}.py"), *args], env={"WORLD_SIZE": str(world_size)},
-               check=False, timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    """{(args, world size): the finished process} for every BAD_INPUTS case, each a plain
+    process that believes it is one of a job of that size, side by side (launcher.run_all)."""
+    procs = run_all([[PYTHON, str(LABS / f"{LAB}.py"), *args] for args, _, _ in BAD_INPUTS],
+                    envs=[{"WORLD_SIZE": str(w)} for _, w, _ in BAD_INPUTS], timeout=120)
+    return {(tuple(args), w): p for (args, w, _), p in zip(BAD_INPUTS, procs)}
+
+
+@pytest.mark.parametrize("args, world_size, flag", BAD_INPUTS)
+def test_bad_input_is_one_clear_line(args, world_size, flag, refusals):
+    proc = refusals[(tuple(args), world_size)]
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], proc.stderr

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from launcher import LABS, PYTHON, load_script, run, run_lab
+from launcher import LABS, PYTHON, load_script, run_all, run_lab
 
 LAB = "lab03_tp_fsdp"
 STEPS, CHECKPOINT_EVERY = 6, 3
@@ -189,14 +189,22 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def refusals():
+    """{(world size, args): the finished process} for every BAD_INPUTS case, side by side
+    (launcher.run_all). Validation runs before any process group, so a plain process with
+    WORLD_SIZE set sees exactly what every torchrun rank would."""
+    procs = run_all([[PYTHON, str(LABS / f"{LAB}.py"), *args] for _, args, _ in BAD_INPUTS],
+                    envs=[{"WORLD_SIZE": w, "LOCAL_WORLD_SIZE": w} for w, _, _ in BAD_INPUTS],
+                    timeout=60)
+    return {(w, tuple(args)): p for (w, args, _), p in zip(BAD_INPUTS, procs)}
+
+
 @pytest.mark.parametrize("world_size,args,message", BAD_INPUTS,
                          ids=["plain-python-tp-2", "tp-3-of-4", "heads", "seq-len", "tp-negative",
                               "warmup"])
-def test_bad_input_is_one_line_and_exit_2(world_size, args, message):
-    # Validation runs before any process group, so a plain process with WORLD_SIZE set sees
-    # exactly what every torchrun rank would.
-    proc = run([PYTHON, str(LABS / f"{LAB}.py"), *args], timeout=60, check=False,
-               env={"WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size})
+def test_bad_input_is_one_line_and_exit_2(world_size, args, message, refusals):
+    proc = refusals[(world_size, tuple(args))]
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr

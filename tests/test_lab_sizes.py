@@ -2,15 +2,13 @@
 what cannot fit (one line, exit 2, before any process group), --plan for hardware this
 machine does not have, and the FLOPs per token behind every lab's MFU."""
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from launcher import LABS, PYTHON, REPO, load_script
+from launcher import LABS, PYTHON, load_script, run_all
 
 sys.path.insert(0, str(LABS))
 import memory_estimator  # noqa: E402  (the course's stand-alone estimator)
@@ -58,17 +56,39 @@ def test_a_preset_field_can_be_overridden(lab02):
     assert (cfg.dim, cfg.num_layers, cfg.seq_len, cfg.num_kv_heads) == (256, 2, 64, 4)
 
 
-def run_plain(lab, args, timeout=120):
-    """The lab as a plain process that believes it is one of 2 (as torchrun would say): its
-    checks run, and it must exit before it starts any process group."""
-    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    return subprocess.run([PYTHON, str(LABS / f"{lab}.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, env=env)
+BAD_PLAN_INPUTS = [
+    (["--plan", "--gpu", "X100"], "--gpu"),
+    (["--gpu", "H100-80GB"], "--gpu"),      # --gpu without --plan means nothing
+    (["--nproc", "8"], "--nproc"),
+]
+
+
+def plain_commands():
+    """{name: command} for every lab run here as a plain process that believes it is one of 2
+    (as torchrun would say): its checks run, and it must exit before any process group."""
+    commands = {}
+    for lab_path in LAB_PATHS:
+        extra = ["--microbatches", "8"] if "pipeline" in lab_path.stem else []
+        commands[("too big", lab_path.stem)] = [PYTHON, str(lab_path), "--model", "8b"]
+        commands[("plan", lab_path.stem)] = [PYTHON, str(lab_path), *PLAN_8B, *extra]
+    for args, _ in BAD_PLAN_INPUTS:
+        commands[("bad", *args)] = [PYTHON, str(LABS / "lab02_fsdp.py"), *args]
+    return commands
+
+
+@pytest.fixture(scope="module")
+def plain_runs():
+    """Every plain_commands() run, side by side (launcher.run_all): {name: finished process}."""
+    commands = plain_commands()
+    procs = run_all(list(commands.values()), timeout=120,
+                    envs=[{"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}] * len(commands))
+    return dict(zip(commands, procs))
 
 
 @pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
-def test_a_model_too_big_for_this_machine_is_refused_before_any_process_group(lab_path):
-    proc = run_plain(lab_path.stem, ["--model", "8b"])
+def test_a_model_too_big_for_this_machine_is_refused_before_any_process_group(lab_path,
+                                                                               plain_runs):
+    proc = plain_runs[("too big", lab_path.stem)]
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--model: 8b needs about" in lines[0] and "GB per rank" in lines[0]
@@ -105,22 +125,17 @@ def test_the_plan_state_bytes_agree_with_the_course_estimator(lab02, monkeypatch
 
 
 @pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
-def test_every_lab_plans_an_8b_run(lab_path):
-    extra = ["--microbatches", "8"] if "pipeline" in lab_path.stem else []
-    proc = run_plain(lab_path.stem, [*PLAN_8B, *extra])
+def test_every_lab_plans_an_8b_run(lab_path, plain_runs):
+    proc = plain_runs[("plan", lab_path.stem)]
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"plan | {lab_path.stem} | 8 x H100-80GB" in proc.stdout
     assert "memory per rank (estimate, the busiest rank):" in proc.stdout
     assert "GB of 80.0 GB: " in proc.stdout and "(limit 90%)" in proc.stdout
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--plan", "--gpu", "X100"], "--gpu"),
-    (["--gpu", "H100-80GB"], "--gpu"),      # --gpu without --plan means nothing
-    (["--nproc", "8"], "--nproc"),
-])
-def test_bad_plan_input_is_one_line_and_exit_2(args, flag):
-    proc = run_plain("lab02_fsdp", args, timeout=60)
+@pytest.mark.parametrize("args, flag", BAD_PLAN_INPUTS)
+def test_bad_plan_input_is_one_line_and_exit_2(args, flag, plain_runs):
+    proc = plain_runs[("bad", *args)]
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"error: {flag}" in lines[0], proc.stderr

@@ -231,7 +231,9 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 #
 # 第 04 课的调试模型算一个阶段只要一毫秒左右，所以每一次 send、receive，以及调度逻辑的每一行 Python 代码，在一步中都占了看得见的比例，按墙钟时间测出的气泡都高于公式（1F1B 甚至高于 GPipe）。
 #
-# 把每个阶段的工作量放大约 600 倍（宽度 512，每条序列 128 个 token，每个微批次 4 条序列），一步就变成计算主导：这时测得的气泡应该落在 `(p - 1) / (m + p - 1)` 的 15% 以内，而交错调度的气泡还要更低。这个单元会打印本次运行是否达到了 15% 的目标；只有偏差超过 30% 才判定失败，因为在共享的 2 核 VM 上，偶尔会有运行高出目标。
+# 把每个阶段的工作量放大约 600 倍（宽度 512，每条序列 128 个 token，每个微批次 4 条序列），一步就变成计算主导：这时测得的气泡应该落在 `(p - 1) / (m + p - 1)` 的 15% 以内，而交错调度的气泡还要更低。
+#
+# 用哪一步的气泡？7 个稳定步（第一步还要推断形状）各有各的气泡，在共享的 VM 上它们会分散开：编写本课时的一次运行里，GPipe 各步的气泡从 0.20 到 0.26 不等，而公式给出 0.20。只有当某个东西从某个 rank 手里抢走一个核时，一步的空闲时间才会变长：另一个进程、gloo 的线程，或者虚拟机管理程序（hypervisor），它拿走了这台 VM 10% 到 15% 的 CPU 时间（vmstat 的 `st` 列）。所以空闲时间最少的那一步就是调度本身的气泡，就像基准测试在多次重复中取最快的一次。这个单元断言这一步落在公式的 15% 以内，并在旁边打印中位数那一步。
 
 # %%
 HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers", "4",
@@ -241,18 +243,24 @@ HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers",
 
 bubbles = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name)["bubble"]
            for name in ("GPipe", "1F1B", "Interleaved1F1B")}
+
+
+def least_idle(bubble):
+    """The bubble of the steady step (the first also infers shapes) with the least idle time:
+    the schedule's own. Time taken from a rank in any other step only adds idle time."""
+    return min(bubble["measured_all_steps"][1:])
+
+
 for name, b in bubbles.items():
-    print(f"{name:16s} formula {b['formula']:.3f} | measured {b['measured']:.3f} "
+    print(f"{name:16s} formula {b['formula']:.3f} | least idle step {least_idle(b):.3f} "
+          f"({least_idle(b) / b['formula'] - 1:+.0%}) | median step {b['measured']:.3f} "
           f"({b['measured'] / b['formula'] - 1:+.0%}) | replayed {b['replayed']:.3f}")
 for name in ("GPipe", "1F1B"):
-    off = abs(bubbles[name]["measured"] / bubbles[name]["formula"] - 1)
-    print(f"{name}: {off:.0%} from the formula, {'within' if off <= 0.15 else 'outside'} "
-          f"the 15% target")
-    # The target holds in most runs on this VM (+8% and +12% in a clean run); a run where
-    # another process takes a core lands above it, so only a regression far past it fails.
-    assert off <= 0.3, (name, bubbles[name])
-assert bubbles["Interleaved1F1B"]["measured"] < min(bubbles["GPipe"]["measured"],
-                                                    bubbles["1F1B"]["measured"])
+    assert abs(least_idle(bubbles[name]) / bubbles[name]["formula"] - 1) <= 0.15, bubbles[name]
+for estimate in (least_idle, lambda b: b["measured"]):
+    interleaved, others = estimate(bubbles["Interleaved1F1B"]), [
+        estimate(bubbles[name]) for name in ("GPipe", "1F1B")]
+    assert interleaved < min(others), (interleaved, others)
 
 # %% [markdown]
 # ## 步耗时模型，与实测的步对照
