@@ -4,6 +4,7 @@ Every launch has a timeout, and a failure shows the full output of every rank, s
 test says which rank broke and how.
 """
 
+import atexit
 import concurrent.futures
 import importlib.util
 import json
@@ -15,6 +16,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,14 +134,84 @@ def run_all(commands, timeout=180, envs=None):
                              commands, envs))
 
 
+class Zygote:
+    """The client of tests/zygote.py: one server per test session, started on first use, that
+    has imported torch once and forks the ranks of each launch (see its docstring for what it
+    keeps from torchrun and what it does not)."""
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="zygote-"))
+        self.socket_path = str(self.folder / "socket")
+        self.server = subprocess.Popen([PYTHON, str(REPO / "tests" / "zygote.py"), self.socket_path],
+                                       stdout=subprocess.PIPE, env=quiet_env(), cwd=REPO, text=True)
+        ready = self.server.stdout.readline().strip()
+        if ready != "ready":
+            raise LaunchError(f"the zygote server did not start (said {ready!r})")
+        atexit.register(self.server.kill)
+
+    def run(self, script, nproc, args, timeout, env, cwd):
+        """What `torchrun --standalone --nproc-per-node nproc script ARGS` (nproc > 0) or
+        `python script ARGS` (nproc == 0) gives, as a CompletedProcess."""
+        out, err = (self.folder / f"{uuid.uuid4().hex}.{name}" for name in ("out", "err"))
+        request = {"script": str(script), "nproc": nproc, "args": list(map(str, args)),
+                   "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        cmd = [f"forked-torchrun --nproc-per-node {nproc}" if nproc else "forked-python",
+               str(script), *map(str, args)]
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(self.socket_path)
+            conn.sendall((json.dumps(request) + "\n").encode())
+            replies = conn.makefile()
+            launcher = json.loads(replies.readline())["pid"]
+            conn.settimeout(timeout)
+            try:
+                rc = json.loads(replies.readline())["rc"]
+            except (TimeoutError, socket.timeout):
+                os.killpg(launcher, 9)
+                raise LaunchError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
+                                  f"--- stdout ---\n{read_and_remove(out)}\n"
+                                  f"--- stderr ---\n{read_and_remove(err)}") from None
+        return subprocess.CompletedProcess(cmd, rc, read_and_remove(out), read_and_remove(err))
+
+
+def read_and_remove(path):
+    text = path.read_text(errors="replace") if path.exists() else ""
+    path.unlink(missing_ok=True)
+    return text
+
+
+_ZYGOTE = []
+
+
+def forked_run(script, nproc, args=(), timeout=180, cwd=None):
+    """A launch that must succeed, its ranks forked from the session's zygote server
+    (tests/zygote.py): `torchrun --standalone --nproc-per-node nproc` for nproc > 0, plain
+    `python` for 0. Same code, same environment variables, no fresh import of torch per rank.
+    Raises with every line printed if it fails or overruns."""
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote())
+    proc = _ZYGOTE[0].run(script, nproc, args, timeout, quiet_env(), cwd or REPO)
+    if proc.returncode != 0:
+        raise LaunchError(f"exit {proc.returncode}: {' '.join(proc.args)}\n"
+                          f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+    return proc
+
+
 def run_lab(lab, nproc, args=(), tmp_path=None, timeout=180, env=None, check=True):
     """Launch labs/<lab>.py under torchrun (or plain python when nproc == 0) and return
-    (completed process, metrics dict or None)."""
+    (completed process, metrics dict or None).
+
+    A launch that must succeed and sets no environment of its own (check=True, env=None) forks
+    its ranks from the zygote server (forked_run): the same lab code under torchrun's
+    environment, without a fresh import of torch per rank. Anything else starts real torchrun
+    (or python)."""
     script = LABS / f"{lab}.py"
     metrics_path = Path(tmp_path) / f"{lab}-{nproc}-{free_port()}.json" if tmp_path else None
     args = [*args, *(["--metrics-out", metrics_path] if metrics_path else [])]
     cmd = [PYTHON, str(script), *map(str, args)] if nproc == 0 else torchrun_cmd(script, nproc, args)
-    proc = run(cmd, timeout=timeout, env=env, check=check)
+    if check and env is None:
+        proc = forked_run(script, nproc, args, timeout)
+    else:
+        proc = run(cmd, timeout=timeout, env=env, check=check)
     metrics = json.loads(metrics_path.read_text()) if metrics_path and metrics_path.exists() else None
     if proc.returncode == 0 and metrics:
         verified.record_lab_run(metrics, "the test suite")  # the lab pages' "verified on" stamp

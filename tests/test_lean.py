@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from launcher import LABS, PYTHON, REPO, run, run_lab, torchrun_cmd
+from launcher import LABS, PYTHON, REPO, forked_run, help_texts, run, run_lab, torchrun_cmd
 
 sys.path.insert(0, str(REPO / "tools"))
 import lean  # noqa: E402
@@ -34,13 +34,19 @@ def lean_copy(lab_path, folder):
     return target
 
 
+@pytest.fixture(scope="module")
+def lean_copies_and_help(tmp_path_factory):
+    """{lab path: (its lean copy alone in a folder, the copy's --help, the lab's --help)}; every
+    --help from one interpreter (launcher.help_texts), each script run as __main__."""
+    root = tmp_path_factory.mktemp("lean")
+    copies = {lab_path: lean_copy(lab_path, root / lab_path.stem) for lab_path in LAB_PATHS}
+    texts = help_texts([[path] for path in [*copies, *copies.values()]])
+    return {lab: (copy, texts[str(copy)], texts[str(lab)]) for lab, copy in copies.items()}
+
+
 @pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)
-def test_a_lean_copy_holds_no_teaching_or_drill_code(lab_path, tmp_path):
-    copy = lean_copy(lab_path, tmp_path / "alone")
-    with ThreadPoolExecutor(2) as pool:  # two interpreters importing torch: side by side
-        helptext, full_help = pool.map(lambda path: run([PYTHON, str(path), "--help"],
-                                                        timeout=60, cwd=path.parent).stdout,
-                                       [copy, lab_path])
+def test_a_lean_copy_holds_no_teaching_or_drill_code(lab_path, lean_copies_and_help):
+    copy, helptext, full_help = lean_copies_and_help[lab_path]
     source = copy.read_text()
     assert "--check-parity" in full_help  # the full lab has them
     for flag in TEACHING_FLAGS:
@@ -62,18 +68,22 @@ def test_a_lean_copy_alone_trains_like_the_full_lab_and_resumes(lab_path, tmp_pa
     resume (its checkpoint and resume work)."""
     copy = lean_copy(lab_path, tmp_path / "alone")
 
-    def lean_run(name, *args):
+    def lean_run(name, *args, fresh):
+        """fresh: real torchrun and fresh interpreters, which is what shows the copy runs alone
+        with only torch; else ranks forked from the test session's zygote (launcher.forked_run)."""
         out = copy.parent / f"metrics-{name}.json"
-        proc = run(torchrun_cmd(copy, 2, [*STEPS, *args, "--metrics-out", str(out)]),
-                   cwd=copy.parent, timeout=240)
+        args = [*STEPS, *args, "--metrics-out", str(out)]
+        proc = (run(torchrun_cmd(copy, 2, args), cwd=copy.parent, timeout=240) if fresh
+                else forked_run(copy, 2, args, timeout=240, cwd=copy.parent))
         return proc, losses(out)
 
     ckpt = copy.parent / "ckpt"
     with ThreadPoolExecutor(2) as pool:  # the full lab and the lean copy's first leg overlap
         full_run = pool.submit(run_lab, lab_path.stem, 2, STEPS, tmp_path, timeout=240)
-        _, first = lean_run("first", "--checkpoint-dir", str(ckpt), "--stop-at-step", "12")
+        _, first = lean_run("first", "--checkpoint-dir", str(ckpt), "--stop-at-step", "12",
+                            fresh=True)
         _, full = full_run.result()
-    proc, resumed = lean_run("resumed", "--checkpoint-dir", str(ckpt))
+    proc, resumed = lean_run("resumed", "--checkpoint-dir", str(ckpt), fresh=False)
     assert "resumed from" in proc.stdout
     assert first == full["losses"][:12]
     assert resumed == full["losses"][12:]
