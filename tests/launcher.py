@@ -2,6 +2,14 @@
 
 Every launch has a timeout, and a failure shows the full output of every rank, so a broken
 test says which rank broke and how.
+
+Two ways to start ranks:
+- real torchrun (`torchrun_cmd`, `run`, `run_drill`): every drill, every launch expected to
+  fail or that sets its own environment, and anything about torchrun itself (restarts, its
+  exit codes, its store, signals);
+- `forked_run`: a lab launch that must succeed forks its ranks from a server that imported
+  torch once (tests/zygote.py), with the environment torchrun gives each rank. On this
+  2-core machine a 4-rank lab01 run starts in 5 s instead of 24.
 """
 
 import atexit
