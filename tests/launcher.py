@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -126,9 +127,15 @@ def run(cmd, timeout=180, env=None, check=True, cwd=None):
         raise LaunchError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
                           f"--- stdout ---\n{out}\n--- stderr ---\n{err}") from None
     if check and proc.returncode != 0:
-        raise LaunchError(f"exit {proc.returncode}: {' '.join(cmd)}\n"
-                          f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+        raise launch_failed(proc)
     return proc
+
+
+def launch_failed(proc):
+    """The error for a launch that exited non-zero: its command, code and every line printed."""
+    cmd = proc.args if isinstance(proc.args, str) else " ".join(map(str, proc.args))
+    return LaunchError(f"exit {proc.returncode}: {cmd}\n"
+                       f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
 
 
 def run_all(commands, timeout=180, envs=None):
@@ -166,15 +173,19 @@ class Zygote:
         cmd = [f"forked-torchrun --nproc-per-node {nproc}" if nproc else "forked-python",
                str(script), *map(str, args)]
         with socket.socket(socket.AF_UNIX) as conn:
+            conn.settimeout(timeout)  # every wait below, the server's first answer included
             conn.connect(self.socket_path)
             conn.sendall((json.dumps(request) + "\n").encode())
             replies = conn.makefile()
-            launcher = json.loads(replies.readline())["pid"]
-            conn.settimeout(timeout)
+            try:
+                launcher = json.loads(replies.readline())["pid"]
+            except TimeoutError:
+                raise LaunchError(f"the zygote server did not start {' '.join(cmd)} "
+                                  f"within {timeout}s") from None
             try:
                 rc = json.loads(replies.readline())["rc"]
-            except (TimeoutError, socket.timeout):
-                os.killpg(launcher, 9)
+            except TimeoutError:  # socket.timeout is TimeoutError since Python 3.10
+                os.killpg(launcher, signal.SIGKILL)
                 raise LaunchError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
                                   f"--- stdout ---\n{read_and_remove(out)}\n"
                                   f"--- stderr ---\n{read_and_remove(err)}") from None
@@ -199,8 +210,7 @@ def forked_run(script, nproc, args=(), timeout=180, cwd=None):
         _ZYGOTE.append(Zygote())
     proc = _ZYGOTE[0].run(script, nproc, args, timeout, quiet_env(), cwd or REPO)
     if proc.returncode != 0:
-        raise LaunchError(f"exit {proc.returncode}: {' '.join(proc.args)}\n"
-                          f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+        raise launch_failed(proc)
     return proc
 
 
@@ -215,10 +225,10 @@ def run_lab(lab, nproc, args=(), tmp_path=None, timeout=180, env=None, check=Tru
     script = LABS / f"{lab}.py"
     metrics_path = Path(tmp_path) / f"{lab}-{nproc}-{free_port()}.json" if tmp_path else None
     args = [*args, *(["--metrics-out", metrics_path] if metrics_path else [])]
-    cmd = [PYTHON, str(script), *map(str, args)] if nproc == 0 else torchrun_cmd(script, nproc, args)
     if check and env is None:
         proc = forked_run(script, nproc, args, timeout)
     else:
+        cmd = [PYTHON, str(script), *map(str, args)] if nproc == 0 else torchrun_cmd(script, nproc, args)
         proc = run(cmd, timeout=timeout, env=env, check=check)
     metrics = json.loads(metrics_path.read_text()) if metrics_path and metrics_path.exists() else None
     if proc.returncode == 0 and metrics:

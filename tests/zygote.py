@@ -59,10 +59,12 @@ def worker(script, args, env, stdout_fd, stderr_fd):
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
+    except SystemExit as exc:  # sys.exit("message") prints it and exits 1, as python does
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
             print(exc.code, file=sys.stderr)
+            code = 1
     except BaseException:  # what an uncaught exception does to `python script`
         traceback.print_exc()
         code = 1
@@ -77,10 +79,11 @@ def rank_env(base, rank, nproc, port):
             "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
             "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": base.get("TORCHELASTIC_RUN_ID", uuid.uuid4().hex)}
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
 
 
+# launcher.free_port's twin: the server does not import tests/launcher.py, which puts tools/ on
+# sys.path, and every rank would inherit that path where a lab run alone has none.
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
