@@ -120,8 +120,10 @@ def test_checkpointing_cuts_held_bytes_by_the_predicted_amount(drill, ws):
     for variant in ("plain", "checkpointed"):
         assert ck[variant]["held_after_forward"] == ck[variant]["predicted_held"], variant
     assert ck["checkpointed"]["step_peak"] < ck["plain"]["step_peak"]
-    # the price: forward runs again inside backward
-    assert ck["checkpointed"]["fwd_bwd_s"] > ck["plain"]["fwd_bwd_s"]
+    # the price: forward runs again inside backward, counted exactly (the CPU time is printed,
+    # not asserted: on a 30 ms step a shared VM's noise once measured it inverted in CI)
+    recomputed = ck["checkpointed"]["fwd_bwd_flops"] - ck["plain"]["fwd_bwd_flops"]
+    assert recomputed == ck["predicted_recompute_flops"] > 0
 
 
 @pytest.mark.parametrize("ws", [1, 2])
@@ -203,6 +205,10 @@ def test_mitigations_prose_numbers(drill):
     ck = r["checkpointing"]
     peaks = f"({mib(ck['plain']['step_peak'])[:-4]} -> {mib(ck['checkpointed']['step_peak'])}"
     assert peaks in text, peaks
+    recomputed = ck["checkpointed"]["fwd_bwd_flops"] - ck["plain"]["fwd_bwd_flops"]
+    flops = (f"{recomputed:,} FLOPs recomputed, exactly as predicted, "
+             f"x{ck['checkpointed']['fwd_bwd_flops'] / ck['plain']['fwd_bwd_flops']:.2f} the plain")
+    assert flops in " ".join(text.split()), flops
     bf = r["bf16"]
     assert f"a {1 - bf['autocast_bf16'] / bf['fp32']:.0%} cut" in text
     assert f"({bf['autocast_weight_copies']:,} bytes here)" in text

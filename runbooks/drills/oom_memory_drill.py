@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 # TorchDispatchMode has no public alias; it is the documented hook for seeing every op.
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "labs"))
@@ -188,16 +189,39 @@ def forward_loss(model, tokens, targets, checkpointed=False, amp_dtype=None):
     return lab.loss_fn(logits, targets)
 
 
-def step_seconds(model, tokens, targets, checkpointed, repeats):
-    """Median CPU seconds of forward + backward. process_time, not wall time: on a shared
+def step_seconds(model, tokens, targets, repeats):
+    """Least CPU seconds of forward + backward, plain and checkpointed, measured in turns so
+    that a busy moment on the machine hits both alike. process_time, not wall time: on a shared
     machine other jobs' load would swamp the recompute cost (on a GPU, time with events)."""
-    times = []
+    times = {False: [], True: []}
     for _ in range(repeats):
-        t0 = time.process_time()
+        for checkpointed in (False, True):
+            t0 = time.process_time()
+            forward_loss(model, tokens, targets, checkpointed).backward()
+            times[checkpointed].append(time.process_time() - t0)
+            model.zero_grad(set_to_none=True)
+    return {checkpointed: min(found) for checkpointed, found in times.items()}
+
+
+def step_flops(model, tokens, targets, checkpointed):
+    """FLOPs of forward + backward, counted op by op (matmuls and attention)."""
+    with FlopCounterMode(display=False) as counter:
         forward_loss(model, tokens, targets, checkpointed).backward()
-        times.append(time.process_time() - t0)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def predict_recompute_flops(model, tokens):
+    """What checkpointing adds: each block's forward again, except its last matmul (w2).
+    Non-reentrant checkpointing stops recomputing once it has every tensor backward needs, and
+    nothing in backward needs w2's output (the residual add saves nothing)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        h = model.tok_embeddings(tokens)
+        for block in model.layers.values():
+            h = block(h)
+    w2_flops = sum(2 * tokens.numel() * block.feed_forward.w2.in_features
+                   * block.feed_forward.w2.out_features for block in model.layers.values())
+    return counter.get_total_flops() - w2_flops
 
 
 # ---------------------------------------------------------------- the measurements
@@ -217,7 +241,8 @@ def measure_activation_scaling(cfg, device):
 def measure_checkpointing(cfg, device, batch, seq_len, repeats):
     model = build(cfg, device)
     tokens, targets = make_batch(cfg, batch, seq_len, device)
-    result = {}
+    seconds = step_seconds(model, tokens, targets, repeats)
+    result = {"predicted_recompute_flops": predict_recompute_flops(model, tokens)}
     for name, checkpointed in (("plain", False), ("checkpointed", True)):
         with LiveBytes() as live:
             loss = forward_loss(model, tokens, targets, checkpointed)
@@ -227,7 +252,8 @@ def measure_checkpointing(cfg, device, batch, seq_len, repeats):
         result[name] = {"held_after_forward": held, "step_peak": live.peak,
                         "predicted_held": predict_held_after_forward(cfg, batch, seq_len,
                                                                      checkpointed),
-                        "fwd_bwd_s": step_seconds(model, tokens, targets, checkpointed, repeats)}
+                        "fwd_bwd_flops": step_flops(model, tokens, targets, checkpointed),
+                        "fwd_bwd_s": seconds[checkpointed]}
     return result
 
 
@@ -489,7 +515,7 @@ def run_all(cfg, rank, world_size, device):
         "world_size": world_size, "device": device.type, "torch_version": torch.__version__,
         "config": vars(cfg),
         "activation_scaling": measure_activation_scaling(cfg, device),
-        "checkpointing": measure_checkpointing(cfg, device, batch, cfg.seq_len, repeats=5),
+        "checkpointing": measure_checkpointing(cfg, device, batch, cfg.seq_len, repeats=7),
         "bf16": measure_bf16(cfg, device, batch, cfg.seq_len),
         "accumulation": measure_accumulation(cfg, device, batch, cfg.num_micro),
         "fsdp": measure_fsdp_state(cfg, device, rank, world_size),
@@ -511,7 +537,10 @@ def report_lines(r):
         f"{ac['held_after_forward'] / MiB:.2f} MiB | predicted cut "
         f"{(plain['predicted_held'] - ac['predicted_held']) / MiB:.2f} MiB | measured cut "
         f"{(plain['held_after_forward'] - ac['held_after_forward']) / MiB:.2f} MiB | "
-        f"fwd+bwd x{ac['fwd_bwd_s'] / plain['fwd_bwd_s']:.2f} CPU time",
+        f"fwd+bwd x{ac['fwd_bwd_flops'] / plain['fwd_bwd_flops']:.2f} FLOPs (recomputed "
+        f"{ac['fwd_bwd_flops'] - plain['fwd_bwd_flops']:,}, predicted "
+        f"{ck['predicted_recompute_flops']:,}), x{ac['fwd_bwd_s'] / plain['fwd_bwd_s']:.2f} "
+        f"CPU time",
         f"bf16 autocast | saved {bf['fp32'] / MiB:.2f} MiB -> {bf['autocast_bf16'] / MiB:.2f} MiB "
         f"(x{bf['autocast_bf16'] / bf['fp32']:.2f}) | predicted "
         f"{bf['predicted_autocast_bf16'] / MiB:.2f} MiB",
