@@ -20,7 +20,8 @@ Torch and stdlib only: the decision guide (tools/decision_guide.py) and lesson 0
 
     python labs/perf_model.py --check --out build/perf_model.json
         measures this machine (the collectives' fit, then lab01 and lab02 at 2 ranks and two
-        widths) and writes, per case, predicted_s and measured_s.
+        widths) and writes, per case, predicted_s and measured_s. --reuse FOLDER takes a case's
+        steps from a metrics JSON an earlier run with the same settings wrote (case_args).
 """
 
 import argparse
@@ -30,8 +31,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 LABS = Path(__file__).resolve().parent
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -140,9 +144,11 @@ def torchrun(script, nproc, args):
 def measure_fits(nproc, folder):
     """comm_bench at nproc ranks: one fit per collective the strategies use."""
     out = Path(folder) / "comm.json"
+    # Sizes x4 apart: the fit is a straight line, and 7 sizes pin it as well as 15 did. 64M
+    # covers the labs' biggest collective (a lab02 block's all-gather at width 1024).
     run(torchrun("comm_bench.py", nproc, ["--ops", "all_reduce,all_gather,reduce_scatter",
                                           "--min-bytes", "4K", "--max-bytes", "64M",
-                                          "--step-factor", "2", "--iters", "10",
+                                          "--step-factor", "4", "--iters", "10",
                                           "--json-out", out]))
     report = json.loads(out.read_text())
     fits = {op: fit_collective([(r["bytes"], r["time_us"] / 1e6) for r in report["rows"]
@@ -167,40 +173,69 @@ def unit_param_bytes(shapes):
     return [bytes_ for key, bytes_ in units.items() if key != "root"] + [units["root"]]
 
 
-def model_shapes(config):
-    """{name: shape} of the lab model a run trained, from its recorded config (lab01's shared
-    model region builds it on the meta device)."""
-    sys.path.insert(0, str(LABS))
-    import lab01_ddp
-
-    return lab01_ddp.parameter_shapes(argparse.Namespace(**config))
+# A copy of the labs' measure_matmul_peak (tests/test_shared_regions.py keeps the copies
+# identical): this module may import only torch, never a lab.
+def measure_matmul_peak(device, dtype, size=512, seconds=0.1, bursts=3):
+    """FLOP/s of one square matmul on this process's threads: the CPU's stand-in for a
+    datasheet peak. Run on every rank at once, as in training, so the ranks share the cores.
+    The best of a few short bursts: a burst the scheduler interrupts reads low, which makes
+    the MFU read high (one run with a single 0.1 s burst reported 205%); nothing reads high."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b  # warm-up: thread pool, caches
+    best = 0.0
+    for _ in range(bursts):
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            calls += 1
+        best = max(best, 2 * size ** 3 * calls / (time.perf_counter() - t0))
+    return best
 
 
 def measure_peak():
     """This machine's matmul peak per thread, measured once, for every case: the peak each
     lab run reports is measured at its end, while the other rank may still be busy, and
     varied by 10% between runs (88-101 GFLOP/s), enough to turn the bound upside down."""
-    import torch
-
-    sys.path.insert(0, str(LABS))
-    import lab01_ddp
-
     torch.set_num_threads(1)  # what each rank of a lab run uses
-    return lab01_ddp.measure_matmul_peak(torch.device("cpu"), torch.float32, seconds=0.2,
-                                        bursts=5)
+    return measure_matmul_peak(torch.device("cpu"), torch.float32, seconds=0.2, bursts=5)
 
 
-def check_case(lab, dim, nproc, fits, traffic, peak, folder):
-    heads = max(4, dim // 64)
+def case_args(dim):
+    """The lab settings of a --check case at this width. Sync points at steps 1, 4 and 5: the
+    first step (warm-up, or a compile) is a window of its own, and steps 2 to 5 are timed.
+    No --check-parity: its single-process reference would double the run and time nothing."""
+    return ["--dim", dim, "--num-heads", max(4, dim // 64), "--steps", 5, "--log-every", 4,
+            "--amp", "off"]
+
+
+def reusable(path, dim, nproc):
+    """A metrics file an earlier run of the same case wrote (lesson 06's eager run, say): used
+    only if that run had this case's settings, world size and no --compile."""
+    if not path.exists():
+        return None
+    metrics = json.loads(path.read_text())
+    flags, values = case_args(dim)[::2], case_args(dim)[1::2]
+    same = all(metrics["config"].get(flag[2:].replace("-", "_")) == value
+               for flag, value in zip(flags, values))
+    if same and metrics["world_size"] == nproc and not metrics["config"].get("compile"):
+        return metrics
+    return None
+
+
+def run_case(lab, dim, nproc, folder):
     metrics_path = Path(folder) / f"{lab}-{dim}.json"
-    # No --check-parity: its single-process reference would double the run and time nothing.
-    run(torchrun(f"{lab}.py", nproc, ["--dim", dim, "--num-heads", heads, "--steps", 8,
-                                       "--log-every", 4, "--amp", "off",
-                                       "--metrics-out", metrics_path]))
-    metrics = json.loads(metrics_path.read_text())
+    run(torchrun(f"{lab}.py", nproc, [*case_args(dim), "--metrics-out", metrics_path]))
+    return json.loads(metrics_path.read_text())
+
+
+def check_case(lab, dim, nproc, fits, traffic, peak, folder, reuse_dir=None):
+    reused = reusable(Path(reuse_dir) / f"{lab}-{dim}.json", dim, nproc) if reuse_dir else None
+    metrics = reused or run_case(lab, dim, nproc, folder)
     tokens_per_rank = metrics["config"]["batch_size"] * metrics["config"]["seq_len"] / nproc
     flops = metrics["flops_per_token"] * tokens_per_rank
-    shapes = model_shapes(metrics["config"])
+    shapes = metrics["parameter_shapes"]  # the lab writes its own model's shapes
     num_params = sum(math.prod(s) for s in shapes.values())
     if lab == "lab02_fsdp":
         collectives, held = fsdp_collectives(unit_param_bytes(shapes)), num_params / nproc
@@ -209,7 +244,7 @@ def check_case(lab, dim, nproc, fits, traffic, peak, folder):
     predicted = predict_step(flops, peak, collectives, fits, optimizer_seconds(held, traffic))
     return {"lab": lab, "dim": dim, "nproc": nproc, "measured_s": measured_step_s(metrics),
             "predicted_s": predicted["exposed_s"], **predicted,
-            "peak_flops_per_rank": peak, "mfu": metrics["mfu"]}
+            "peak_flops_per_rank": peak, "mfu": metrics["mfu"], "reused": reused is not None}
 
 
 def main(argv=None):
@@ -219,14 +254,22 @@ def main(argv=None):
     parser.add_argument("--nproc", type=int, default=2, help="ranks for --check")
     parser.add_argument("--dims", default="256,512", help="model widths for --check")
     parser.add_argument("--out", default="", help="write the --check results as JSON here")
+    parser.add_argument("--reuse", default="",
+                        help="a folder of metrics JSON from earlier runs with a case's settings "
+                             "(named LAB-DIM.json, e.g. lab02_fsdp-1024.json): each one that "
+                             "matches is used instead of running that case again")
     args = parser.parse_args(argv)
+    if not all(dim.isdigit() and int(dim) > 0 for dim in args.dims.split(",")):
+        parser.error(f"--dims {args.dims!r}: give positive widths separated by commas, e.g. 256,1024")
+    if args.reuse and not Path(args.reuse).is_dir():
+        parser.error(f"--reuse {args.reuse}: no such folder")
     if not args.check:
         parser.print_help()
         return 0
     with tempfile.TemporaryDirectory() as folder:
         fits, traffic = measure_fits(args.nproc, folder)
         peak = measure_peak()
-        cases = [check_case(lab, int(dim), args.nproc, fits, traffic, peak, folder)
+        cases = [check_case(lab, int(dim), args.nproc, fits, traffic, peak, folder, args.reuse)
                  for lab in ("lab01_ddp", "lab02_fsdp") for dim in args.dims.split(",")]
     result = {"fits": {op: vars(fit) for op, fit in fits.items()}, "peak_flops": peak,
               "memory_traffic_bytes_per_s": traffic, "cases": cases}
@@ -235,7 +278,8 @@ def main(argv=None):
               f"(compute {case['compute_s'] * 1e3:.1f} + optimizer {case['optimizer_s'] * 1e3:.1f} "
               f"+ comm {case['comm_s'] * 1e3:.1f}), "
               f"measured {case['measured_s'] * 1e3:7.1f} ms, "
-              f"ratio {case['measured_s'] / case['predicted_s']:.2f}")
+              f"ratio {case['measured_s'] / case['predicted_s']:.2f}"
+              f"{' (measured by the reused run)' if case['reused'] else ''}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

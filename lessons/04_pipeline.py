@@ -307,7 +307,7 @@ assert runs["Interleaved1F1B"]["bubble"]["formula"] == bubble(2, 4, v=2)
 # whatever else is running, so the wall clock can even rank 1F1B above GPipe. On GPUs with
 # real layer sizes, actions take tens of milliseconds and the measurement moves toward the
 # replay. [Lesson 06](06_performance.ipynb#the-pipeline-bubble-measured-where-compute-dominates)
-# makes each stage about 600 times heavier and measures that: GPipe and 1F1B then land within
+# makes each microbatch about 250 times heavier and measures that: GPipe and 1F1B then land within
 # 15% of the formula, and the interleaved schedule below both. The zero-bubble schedules have no simple
 # closed form; their papers (Qi et al. 2024, arXiv:2401.10241) claim a near-zero bubble when
 # forward, input-gradient and weight-gradient cost the same, which a 4-microbatch CPU run does

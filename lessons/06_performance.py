@@ -28,6 +28,12 @@
 #
 # Every figure below is measured on the machine that runs the notebook (CI: 2 cores), except
 # those marked as published GPU results, which are cited and not measured here.
+#
+# The lesson starts the labs as `torchrun --standalone --nproc-per-node 2 labs/...` would,
+# with the same environment per rank, but forks each rank from a server that has already
+# imported torch (`run_script` in `lessons/spawn.py`): a fresh torchrun spends about 10 s of
+# a 2-core machine importing torch in three processes, longer than some of these runs train.
+# The step-time model's `perf_model.py --check` starts real torchrun, as you would.
 
 # %%
 import argparse
@@ -48,6 +54,8 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
 sys.path.insert(0, str(ROOT / "labs"))
 
 import lab01_ddp as lab  # noqa: E402  (the shared model, data, FLOPs formula and peak)
+import perf_model  # noqa: E402  (the step-time model: its check, and a published run)
+from spawn import run_script  # noqa: E402  (lessons/spawn.py: torchrun's ranks, forked)
 
 torch.set_num_threads(1)  # what each lab rank uses (torchrun sets OMP_NUM_THREADS=1)
 
@@ -55,13 +63,13 @@ workdir = Path(tempfile.mkdtemp(prefix="lesson06-"))
 env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_lab(script, nproc, *args):
-    metrics_path = workdir / f"metrics-{len(list(workdir.iterdir()))}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), str(ROOT / "labs" / script),
-           "--metrics-out", str(metrics_path), *map(str, args)]
-    proc = subprocess.run(cmd, check=True, timeout=600, env=env, capture_output=True, text=True)
-    print(proc.stdout.strip().splitlines()[-1])
+def run_lab(script, nproc, *args, metrics_path=None):
+    """`torchrun --standalone --nproc-per-node nproc labs/script ARGS --metrics-out PATH`, with
+    the ranks forked from spawn.py's server, which has imported torch once (run_script): the
+    same environment per rank, about 10 s less start-up per run. Returns the lab's metrics."""
+    metrics_path = metrics_path or workdir / f"metrics-{len(list(workdir.iterdir()))}.json"
+    out = run_script(ROOT / "labs" / script, nproc, [*args, "--metrics-out", metrics_path])
+    print(out.strip().splitlines()[-1])
     return json.loads(metrics_path.read_text())
 
 # %% [markdown]
@@ -241,11 +249,11 @@ plt.show()
 # ranks; the compile itself happens in the first step and is reported apart.
 
 # %%
-# Sync points at steps 1, 5 and 6: the first step (with the compile) is a window of its own,
-# and the throughput is that of steps 2 to 6.
-WIDE = ["--dim", "1024", "--num-heads", "16", "--steps", "6", "--log-every", "5",
-        "--amp", "off"]
-eager = run_lab("lab02_fsdp.py", 2, *WIDE)
+# perf_model's settings at width 1024: sync points at steps 1, 4 and 5, so the first step
+# (with the compile) is a window of its own and the throughput is that of steps 2 to 5. The
+# eager run is saved where the step-time model's `perf_model.py --check --reuse` finds it.
+WIDE = perf_model.case_args(1024)
+eager = run_lab("lab02_fsdp.py", 2, *WIDE, metrics_path=workdir / "lab02_fsdp-1024.json")
 compiled = run_lab("lab02_fsdp.py", 2, *WIDE, "--compile")
 for name, m in (("eager", eager), ("compiled", compiled)):
     print(f"{name:9s} {m['tokens_per_s']:8.0f} tok/s, first step {m['first_step_s']:.1f} s")
@@ -271,10 +279,10 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 #
 # Lesson 04's debug model computes a stage in about a millisecond, so every send, receive and
 # line of schedule Python is a visible share of the step, and its wall-clock bubbles sat above
-# the formula (1F1B even above GPipe). Make each stage's work about 600 times larger (width
-# 512, 128 tokens per sequence, 4 sequences per microbatch) and the step is compute: then the
-# measured bubble should land within 15% of `(p - 1) / (m + p - 1)`, and the interleaved
-# schedule below it.
+# the formula (1F1B even above GPipe). Make each microbatch's work about 250 times larger
+# (width 512, 128 tokens per sequence, 4 sequences per microbatch; the cell prints the ratio
+# from the lab's FLOPs count) and the step is compute: then the measured bubble should land
+# within 15% of `(p - 1) / (m + p - 1)`, and the interleaved schedule below it.
 #
 # Which step's bubble? Each of the 7 steady steps (the first also infers shapes) has its own,
 # and on a shared VM they spread: GPipe's ran from 0.20 to 0.26 in one run while writing
@@ -287,11 +295,24 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 # %%
 HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers", "4",
          "--microbatches", "4", "--batch-size", "16", "--steps", "8", "--log-every", "4"]
+heavy_runs = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name)
+              for name in ("GPipe", "1F1B", "Interleaved1F1B")}
+bubbles = {name: m["bubble"] for name, m in heavy_runs.items()}
 
 
+def flops_per_microbatch(flops_per_token, batch_size, seq_len, microbatches):
+    return flops_per_token * batch_size * seq_len / microbatches
 
-bubbles = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name)["bubble"]
-           for name in ("GPipe", "1F1B", "Interleaved1F1B")}
+
+# Lesson 04's runs: lab04's defaults, the debug model with 4 layers, 16 sequences in 4 microbatches.
+debug = lab.parse_config(["--num-layers", "4"])
+light = flops_per_microbatch(lab.flops_per_token(debug, debug.seq_len), 16, debug.seq_len, 4)
+heavy_config = heavy_runs["GPipe"]["config"]
+heavy = flops_per_microbatch(heavy_runs["GPipe"]["flops_per_token"], heavy_config["batch_size"],
+                             heavy_config["seq_len"], heavy_config["microbatches"])
+print(f"work per microbatch: {heavy:.2e} FLOPs against lesson 04's {light:.2e} "
+      f"({heavy / light:.0f}x)")
+assert 200 < heavy / light < 300
 
 
 def least_idle(bubble):
@@ -319,13 +340,15 @@ for estimate in (least_idle, lambda b: b["measured"]):
 # bandwidth comm_bench measures), and every collective the strategy issues, timed with
 # lesson 00's `t = a + b S` fit from `labs/comm_bench.py`. On gloo the collectives run on
 # the same two cores as the compute, so the model adds them up (the "exposed" bound).
-# `--check` measures this machine and runs lab01 (DDP) and lab02 (FSDP) at 2 ranks.
+# `--check` measures this machine and runs lab01 (DDP) and lab02 (FSDP) at 2 ranks. Here
+# `--reuse` hands it the compile section's eager lab02 run at width 1024, which used the
+# same settings (`perf_model.case_args`), so it starts three labs, not four.
 
 # %%
 check_path = workdir / "perf_model.json"
 proc = subprocess.run([sys.executable, str(ROOT / "labs" / "perf_model.py"), "--check",
-                       "--dims", "256,1024", "--out", str(check_path)], check=True,
-                      timeout=900, env=env, capture_output=True, text=True)
+                       "--dims", "256,1024", "--reuse", str(workdir), "--out", str(check_path)],
+                      check=True, timeout=900, env=env, capture_output=True, text=True)
 print(proc.stdout)
 cases = json.loads(check_path.read_text())["cases"]
 ratio = {(c["lab"], c["dim"]): c["measured_s"] / c["predicted_s"] for c in cases}
@@ -375,8 +398,6 @@ assert ratio[("lab01_ddp", 1024)] <= 1.6, ratio
 # The model, with the datasheet's 989 TFLOP/s bf16 and NVLink's 450 GB/s each way:
 
 # %%
-import perf_model  # noqa: E402  (labs/ is on the path)
-
 llama_8b = argparse.Namespace(**lab.MODEL_PRESETS["8b"])
 num_params = sum(math.prod(shape) for shape in lab.parameter_shapes(llama_8b).values())
 flop_per_token = lab.flops_per_token(llama_8b, 8192)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from launcher import LABS, PYTHON, REPO
+from launcher import LABS, PYTHON, REPO, run_lab
 
 sys.path.insert(0, str(LABS))
 import perf_model  # noqa: E402
@@ -72,20 +72,59 @@ def test_check_measures_this_machine_and_is_a_lower_bound(tmp_path):
     """`--check` end to end at the labs' default width, where a step is mostly overhead: the
     JSON has the fits, the peak and, per case, predicted_s and measured_s, and the prediction
     (nothing overlapped, every FLOP at the peak) is not above the measurement. Lesson 06 runs
-    the same check at widths 256 and 1024 and asserts the 35% target where compute dominates."""
+    the same check at widths 256 and 1024 and asserts the 35% target where compute dominates.
+    lab02's case comes from an earlier run with the case's settings (`--reuse`, as lesson 06
+    hands it its eager run); lab01's is run by the check itself."""
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    _, lab02_metrics = run_lab("lab02_fsdp", 2, perf_model.case_args(64), tmp_path=earlier)
+    reused_path = earlier / "lab02_fsdp-64.json"
+    next(earlier.glob("lab02_fsdp-2-*.json")).rename(reused_path)
     out = tmp_path / "perf_model.json"
     proc = subprocess.run([PYTHON, str(LABS / "perf_model.py"), "--check", "--dims", "64",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300,
-                          cwd=REPO)
+                           "--reuse", str(earlier), "--out", str(out)], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert set(result["fits"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(f["latency_s"] > 0 and f["seconds_per_byte"] > 0 for f in result["fits"].values())
     assert result["peak_flops"] > 1e9 and result["memory_traffic_bytes_per_s"] > 1e8
-    assert [(c["lab"], c["dim"]) for c in result["cases"]] == [("lab01_ddp", 64),
-                                                              ("lab02_fsdp", 64)]
+    assert [(c["lab"], c["dim"], c["reused"]) for c in result["cases"]] == [
+        ("lab01_ddp", 64, False), ("lab02_fsdp", 64, True)]
+    assert result["cases"][1]["measured_s"] == perf_model.measured_step_s(lab02_metrics)
     for case in result["cases"]:
         assert 0 < case["predicted_s"] <= case["measured_s"] / 0.9, case
         assert case["predicted_s"] == pytest.approx(case["compute_s"] + case["optimizer_s"]
                                                     + case["comm_s"])
         assert f"{case['lab']:<11} dim   64: predicted" in proc.stdout
+    assert "(measured by the reused run)" in proc.stdout.splitlines()[-1]
+
+
+def test_reuse_takes_only_a_run_with_the_cases_settings(tmp_path):
+    """A metrics file is reused only if it matches the case: same flags, world size, eager."""
+    flags, values = perf_model.case_args(1024)[::2], perf_model.case_args(1024)[1::2]
+    config = {flag[2:].replace("-", "_"): value for flag, value in zip(flags, values)}
+    path = tmp_path / "lab02_fsdp-1024.json"
+
+    def reused(world_size=2, **changes):
+        path.write_text(json.dumps({"world_size": world_size, "config": {**config, **changes}}))
+        return perf_model.reusable(path, 1024, nproc=2) is not None
+
+    assert reused() and reused(compile=False)
+    assert not reused(world_size=4)
+    assert not reused(compile=True)
+    assert not reused(steps=8)
+    assert not reused(dim=512)
+    assert perf_model.reusable(tmp_path / "absent.json", 1024, nproc=2) is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--check", "--dims", "256,wide"], "--dims '256,wide': give positive widths"),
+    (["--check", "--dims", "0"], "--dims '0': give positive widths"),
+    (["--check", "--reuse", "/no/such/folder"], "--reuse /no/such/folder: no such folder"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        perf_model.main(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,7 +1,9 @@
 """Labs are copied alone, so setup/model/data/metrics/main are duplicated on purpose. This keeps the
 copies identical: one edit, every lab updated, or this test fails naming the region and lab."""
 
+import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,36 @@ def test_the_check_catches_a_drifted_copy(tmp_path):
     drifted = tmp_path / "lab99_drift.py"
     drifted.write_text(original.read_text().replace("def free_port():", "def free_port():  # x"))
     assert region_mismatches([original, drifted]) == [("setup", "lab99_drift.py")]
+
+
+def function_source(path, name):
+    match = re.search(rf"^def {name}\(.*?(?=^\S)", path.read_text(), re.S | re.M)
+    assert match, f"{path.name} has no top-level def {name}"
+    return match.group(0)
+
+
+def test_perf_models_matmul_peak_is_the_labs():
+    """labs/perf_model.py may import only torch, so it carries its own copy of the labs'
+    measure_matmul_peak; the copy must not drift from the one the labs' MFU uses."""
+    copy = function_source(LABS / "perf_model.py", "measure_matmul_peak")
+    for lab in lab_paths():
+        assert function_source(lab, "measure_matmul_peak") == copy, lab.name
+
+
+def test_the_labs_folder_imports_only_the_standard_library_and_torch():
+    """Every module in labs/ runs when copied alone with only torch installed: no import of a
+    sibling lab or tool, at the top or inside a function."""
+    siblings = {p.stem for p in LABS.glob("*.py")}
+    for path in sorted(LABS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in siblings, f"{path.name} imports {name}"
+                assert top in sys.stdlib_module_names or top == "torch", \
+                    f"{path.name} imports {name}"

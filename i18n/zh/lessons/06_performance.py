@@ -24,6 +24,8 @@
 # - 在计算占主导的条件下测量流水线气泡，得到与 `(p - 1) / (m + p - 1)` 吻合的结果。
 #
 # 下面的每个数字都是在运行本 notebook 的机器上测得的（CI：2 个核）；标明为公开 GPU 结果的除外，那些是引用的，不是在这里测的。
+#
+# 本课启动 lab 的方式与 `torchrun --standalone --nproc-per-node 2 labs/...` 相同，每个 rank 的环境变量也一样，只是每个 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `run_script`）：在 2 核机器上，一次全新的 torchrun 要花约 10 s 在三个进程里导入 torch，比其中一些运行的训练时间还长。步耗时模型一节中的 `perf_model.py --check` 启动的是真正的 torchrun，和你自己运行时一样。
 
 # %%
 import argparse
@@ -44,6 +46,8 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
 sys.path.insert(0, str(ROOT / "labs"))
 
 import lab01_ddp as lab  # noqa: E402  (the shared model, data, FLOPs formula and peak)
+import perf_model  # noqa: E402  (the step-time model: its check, and a published run)
+from spawn import run_script  # noqa: E402  (lessons/spawn.py: torchrun's ranks, forked)
 
 torch.set_num_threads(1)  # what each lab rank uses (torchrun sets OMP_NUM_THREADS=1)
 
@@ -51,13 +55,13 @@ workdir = Path(tempfile.mkdtemp(prefix="lesson06-"))
 env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_lab(script, nproc, *args):
-    metrics_path = workdir / f"metrics-{len(list(workdir.iterdir()))}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), str(ROOT / "labs" / script),
-           "--metrics-out", str(metrics_path), *map(str, args)]
-    proc = subprocess.run(cmd, check=True, timeout=600, env=env, capture_output=True, text=True)
-    print(proc.stdout.strip().splitlines()[-1])
+def run_lab(script, nproc, *args, metrics_path=None):
+    """`torchrun --standalone --nproc-per-node nproc labs/script ARGS --metrics-out PATH`, with
+    the ranks forked from spawn.py's server, which has imported torch once (run_script): the
+    same environment per rank, about 10 s less start-up per run. Returns the lab's metrics."""
+    metrics_path = metrics_path or workdir / f"metrics-{len(list(workdir.iterdir()))}.json"
+    out = run_script(ROOT / "labs" / script, nproc, [*args, "--metrics-out", metrics_path])
+    print(out.strip().splitlines()[-1])
     return json.loads(metrics_path.read_text())
 
 # %% [markdown]
@@ -207,11 +211,11 @@ plt.show()
 # lab02 的 `--compile` 在分片之前用 inductor 编译每个 block（即 torchtitan 的逐 block 编译）。在宽度 1024、计算占主导的条件下，用两个 rank 对比 eager 模式和编译后的版本；编译本身发生在第一步，单独报告。
 
 # %%
-# Sync points at steps 1, 5 and 6: the first step (with the compile) is a window of its own,
-# and the throughput is that of steps 2 to 6.
-WIDE = ["--dim", "1024", "--num-heads", "16", "--steps", "6", "--log-every", "5",
-        "--amp", "off"]
-eager = run_lab("lab02_fsdp.py", 2, *WIDE)
+# perf_model's settings at width 1024: sync points at steps 1, 4 and 5, so the first step
+# (with the compile) is a window of its own and the throughput is that of steps 2 to 5. The
+# eager run is saved where the step-time model's `perf_model.py --check --reuse` finds it.
+WIDE = perf_model.case_args(1024)
+eager = run_lab("lab02_fsdp.py", 2, *WIDE, metrics_path=workdir / "lab02_fsdp-1024.json")
 compiled = run_lab("lab02_fsdp.py", 2, *WIDE, "--compile")
 for name, m in (("eager", eager), ("compiled", compiled)):
     print(f"{name:9s} {m['tokens_per_s']:8.0f} tok/s, first step {m['first_step_s']:.1f} s")
@@ -231,18 +235,31 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 #
 # 第 04 课的调试模型算一个阶段只要一毫秒左右，所以每一次 send、receive，以及调度逻辑的每一行 Python 代码，在一步中都占了看得见的比例，按墙钟时间测出的气泡都高于公式（1F1B 甚至高于 GPipe）。
 #
-# 把每个阶段的工作量放大约 600 倍（宽度 512，每条序列 128 个 token，每个微批次 4 条序列），一步就变成计算主导：这时测得的气泡应该落在 `(p - 1) / (m + p - 1)` 的 15% 以内，而交错调度的气泡还要更低。
+# 把每个微批次的工作量放大约 250 倍（宽度 512，每条序列 128 个 token，每个微批次 4 条序列；单元格会按 lab 的 FLOPs 计数打印这个倍数），一步就变成计算主导：这时测得的气泡应该落在 `(p - 1) / (m + p - 1)` 的 15% 以内，而交错调度的气泡还要更低。
 #
 # 用哪一步的气泡？7 个稳定步（第一步还要推断形状）各有各的气泡，在共享的 VM 上它们会分散开：编写本课时的一次运行里，GPipe 各步的气泡从 0.20 到 0.26 不等，而公式给出 0.20。只有当某个东西从某个 rank 手里抢走一个核时，一步的空闲时间才会变长：另一个进程、gloo 的线程，或者虚拟机管理程序（hypervisor），它拿走了这台 VM 10% 到 15% 的 CPU 时间（vmstat 的 `st` 列）。所以空闲时间最少的那一步就是调度本身的气泡，就像基准测试在多次重复中取最快的一次。这个单元断言这一步落在公式的 15% 以内，并在旁边打印中位数那一步。
 
 # %%
 HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers", "4",
          "--microbatches", "4", "--batch-size", "16", "--steps", "8", "--log-every", "4"]
+heavy_runs = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name)
+              for name in ("GPipe", "1F1B", "Interleaved1F1B")}
+bubbles = {name: m["bubble"] for name, m in heavy_runs.items()}
 
 
+def flops_per_microbatch(flops_per_token, batch_size, seq_len, microbatches):
+    return flops_per_token * batch_size * seq_len / microbatches
 
-bubbles = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name)["bubble"]
-           for name in ("GPipe", "1F1B", "Interleaved1F1B")}
+
+# Lesson 04's runs: lab04's defaults, the debug model with 4 layers, 16 sequences in 4 microbatches.
+debug = lab.parse_config(["--num-layers", "4"])
+light = flops_per_microbatch(lab.flops_per_token(debug, debug.seq_len), 16, debug.seq_len, 4)
+heavy_config = heavy_runs["GPipe"]["config"]
+heavy = flops_per_microbatch(heavy_runs["GPipe"]["flops_per_token"], heavy_config["batch_size"],
+                             heavy_config["seq_len"], heavy_config["microbatches"])
+print(f"work per microbatch: {heavy:.2e} FLOPs against lesson 04's {light:.2e} "
+      f"({heavy / light:.0f}x)")
+assert 200 < heavy / light < 300
 
 
 def least_idle(bubble):
@@ -265,13 +282,13 @@ for estimate in (least_idle, lambda b: b["measured"]):
 # %% [markdown]
 # ## 步耗时模型，与实测的步对照
 #
-# `labs/perf_model.py` 把一步拆成几项来预测：计算（这一步的 FLOPs，按实测的矩阵乘法峰值折算成时间）、优化器（AdamW 和梯度裁剪：按 comm_bench 测得的内存带宽，对 fp32 参数扫 22 遍），以及该策略发起的每一次集合通信，其耗时用第 00 课的 `t = a + b S` 拟合计算（拟合来自 `labs/comm_bench.py`）。在 gloo 上，集合通信和计算跑在同样的两个核上，所以模型把它们直接相加（即“exposed”界：通信完全不被掩盖）。`--check` 会测量这台机器，并用 2 个 rank 运行 lab01（DDP）和 lab02（FSDP）。
+# `labs/perf_model.py` 把一步拆成几项来预测：计算（这一步的 FLOPs，按实测的矩阵乘法峰值折算成时间）、优化器（AdamW 和梯度裁剪：按 comm_bench 测得的内存带宽，对 fp32 参数扫 22 遍），以及该策略发起的每一次集合通信，其耗时用第 00 课的 `t = a + b S` 拟合计算（拟合来自 `labs/comm_bench.py`）。在 gloo 上，集合通信和计算跑在同样的两个核上，所以模型把它们直接相加（即“exposed”界：通信完全不被掩盖）。`--check` 会测量这台机器，并用 2 个 rank 运行 lab01（DDP）和 lab02（FSDP）。这里用 `--reuse` 把 compile 那一节里宽度 1024 的 eager lab02 运行交给它，那次运行用的是同样的设置（`perf_model.case_args`），所以它只需启动三个 lab，而不是四个。
 
 # %%
 check_path = workdir / "perf_model.json"
 proc = subprocess.run([sys.executable, str(ROOT / "labs" / "perf_model.py"), "--check",
-                       "--dims", "256,1024", "--out", str(check_path)], check=True,
-                      timeout=900, env=env, capture_output=True, text=True)
+                       "--dims", "256,1024", "--reuse", str(workdir), "--out", str(check_path)],
+                      check=True, timeout=900, env=env, capture_output=True, text=True)
 print(proc.stdout)
 cases = json.loads(check_path.read_text())["cases"]
 ratio = {(c["lab"], c["dim"]): c["measured_s"] / c["predicted_s"] for c in cases}
@@ -303,8 +320,6 @@ assert ratio[("lab01_ddp", 1024)] <= 1.6, ratio
 # llama3_h100_202412_torchtitan.md`，commit 31a17bf，2024 年 12 月：96 GB、功耗上限 500 W 的 H100 SXM，本地 batch 为 2 条 8192 token 的序列，使用选择性激活检查点）报告的吞吐量是每 GPU 每秒 5,762 个 token，用 `torch.compile` 时为 6,667。未在这里测量。下面是模型的预测，代入数据手册的 bf16 989 TFLOP/s 和 NVLink 单向 450 GB/s：
 
 # %%
-import perf_model  # noqa: E402  (labs/ is on the path)
-
 llama_8b = argparse.Namespace(**lab.MODEL_PRESETS["8b"])
 num_params = sum(math.prod(shape) for shape in lab.parameter_shapes(llama_8b).values())
 flop_per_token = lab.flops_per_token(llama_8b, 8192)
