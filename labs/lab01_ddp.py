@@ -773,8 +773,6 @@ def common_metrics(cfg, log, world_size, device, wall_start, usage):
         "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
         "wall_time_s": time.perf_counter() - wall_start,
         "torch_version": torch.__version__, "config": vars(cfg),
-        # what labs/perf_model.py needs to count bytes per FSDP unit without importing a lab
-        "parameter_shapes": parameter_shapes(cfg),
     }
 
 
@@ -1256,7 +1254,9 @@ def run(cfg, rank, world_size, device, wall_start):
     if rank == 0:
         metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage),
                    "precision": precision_name(amp_dtype), "peak_mem_bytes_per_rank": peaks,
-                   "data_share_per_rank": data_shares}
+                   "data_share_per_rank": data_shares,
+                   # labs/perf_model.py counts gradient bytes from these, importing no lab
+                   "parameter_shapes": parameter_shapes(cfg)}
         metrics.update(parity_metrics(cfg, parity, ref_losses))  # lean: drop
         if cfg.metrics_out:
             write_json_atomic(cfg.metrics_out, metrics)

@@ -946,8 +946,6 @@ def common_metrics(cfg, log, world_size, device, wall_start, usage):
         "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
         "wall_time_s": time.perf_counter() - wall_start,
         "torch_version": torch.__version__, "config": vars(cfg),
-        # what labs/perf_model.py needs to count bytes per FSDP unit without importing a lab
-        "parameter_shapes": parameter_shapes(cfg),
     }
 
 

@@ -144,8 +144,9 @@ def torchrun(script, nproc, args):
 def measure_fits(nproc, folder):
     """comm_bench at nproc ranks: one fit per collective the strategies use."""
     out = Path(folder) / "comm.json"
-    # Sizes x4 apart: the fit is a straight line, and 7 sizes pin it as well as 15 did. 64M
-    # covers the labs' biggest collective (a lab02 block's all-gather at width 1024).
+    # Sizes x4 apart, 4K to 64M: the fit is a straight line, and 8 sizes pin it as well as 15
+    # did. The labs' biggest collective, a lab02 block at width 1024 (67,117,056 bytes), sits
+    # just past 64 MiB, where the line is extended by 0.01%.
     run(torchrun("comm_bench.py", nproc, ["--ops", "all_reduce,all_gather,reduce_scatter",
                                           "--min-bytes", "4K", "--max-bytes", "64M",
                                           "--step-factor", "4", "--iters", "10",
@@ -202,17 +203,22 @@ def measure_peak():
     return measure_matmul_peak(torch.device("cpu"), torch.float32, seconds=0.2, bursts=5)
 
 
+def heads_for(dim):
+    return max(4, dim // 64)
+
+
 def case_args(dim):
-    """The lab settings of a --check case at this width. Sync points at steps 1, 4 and 5: the
-    first step (warm-up, or a compile) is a window of its own, and steps 2 to 5 are timed.
+    """The lab settings of a --check case at this width. Sync points at steps 1, 5 and 6: the
+    first step (warm-up, or a compile) is a window of its own, and steps 2 to 6 are timed.
     No --check-parity: its single-process reference would double the run and time nothing."""
-    return ["--dim", dim, "--num-heads", max(4, dim // 64), "--steps", 5, "--log-every", 4,
+    return ["--dim", dim, "--num-heads", heads_for(dim), "--steps", 6, "--log-every", 5,
             "--amp", "off"]
 
 
 def reusable(path, dim, nproc):
     """A metrics file an earlier run of the same case wrote (lesson 06's eager run, say): used
-    only if that run had this case's settings, world size and no --compile."""
+    only if that run had case_args's values, this world size and no --compile. Other flags
+    are not compared: put only runs made with case_args alone (plus --metrics-out) there."""
     if not path.exists():
         return None
     metrics = json.loads(path.read_text())
@@ -247,6 +253,22 @@ def check_case(lab, dim, nproc, fits, traffic, peak, folder, reuse_dir=None):
             "peak_flops_per_rank": peak, "mfu": metrics["mfu"], "reused": reused is not None}
 
 
+def input_problem(args):
+    """What is wrong with the command line, in one line, or None."""
+    dims = args.dims.split(",")
+    if not all(dim.isdigit() and int(dim) > 0 for dim in dims):
+        return f"--dims {args.dims!r}: give positive widths separated by commas, e.g. 256,1024"
+    for dim in map(int, dims):
+        if dim % heads_for(dim) or dim // heads_for(dim) % 2:  # the labs' RoPE needs even heads
+            return (f"--dims: width {dim} does not split into {heads_for(dim)} heads of an "
+                    f"even size; use a multiple of {2 * heads_for(dim)}, e.g. 256")
+    if args.nproc < 1:
+        return f"--nproc {args.nproc}: must be at least 1"
+    if args.reuse and not Path(args.reuse).is_dir():
+        return f"--reuse {args.reuse}: no such folder"
+    return None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
@@ -255,14 +277,13 @@ def main(argv=None):
     parser.add_argument("--dims", default="256,512", help="model widths for --check")
     parser.add_argument("--out", default="", help="write the --check results as JSON here")
     parser.add_argument("--reuse", default="",
-                        help="a folder of metrics JSON from earlier runs with a case's settings "
-                             "(named LAB-DIM.json, e.g. lab02_fsdp-1024.json): each one that "
-                             "matches is used instead of running that case again")
+                        help="a folder of metrics JSON from earlier runs made with case_args "
+                             "alone (named LAB-DIM.json, e.g. lab02_fsdp-1024.json): each one "
+                             "that matches is used instead of running that case again")
     args = parser.parse_args(argv)
-    if not all(dim.isdigit() and int(dim) > 0 for dim in args.dims.split(",")):
-        parser.error(f"--dims {args.dims!r}: give positive widths separated by commas, e.g. 256,1024")
-    if args.reuse and not Path(args.reuse).is_dir():
-        parser.error(f"--reuse {args.reuse}: no such folder")
+    problem = input_problem(args)
+    if problem:
+        parser.exit(2, f"perf_model.py: error: {problem}\n")  # one line, nothing started
     if not args.check:
         parser.print_help()
         return 0
@@ -274,7 +295,8 @@ def main(argv=None):
     result = {"fits": {op: vars(fit) for op, fit in fits.items()}, "peak_flops": peak,
               "memory_traffic_bytes_per_s": traffic, "cases": cases}
     for case in cases:
-        print(f"{case['lab']:<11} dim {case['dim']:>4}: predicted {case['predicted_s'] * 1e3:7.1f} ms "
+        print(f"{case['lab']:<11} dim {case['dim']:>4}: "
+              f"predicted {case['predicted_s'] * 1e3:7.1f} ms "
               f"(compute {case['compute_s'] * 1e3:.1f} + optimizer {case['optimizer_s'] * 1e3:.1f} "
               f"+ comm {case['comm_s'] * 1e3:.1f}), "
               f"measured {case['measured_s'] * 1e3:7.1f} ms, "

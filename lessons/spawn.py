@@ -5,6 +5,9 @@ they live in small modules next to the lessons (e.g. `ddp_workers.py`). Each chi
 gloo process group on 127.0.0.1 and the call returns the per-rank results, or raises (never
 hangs) after `timeout_s`.
 
+`run_script` starts a script's ranks the way `torchrun --standalone` does (its per-rank
+environment variables), for lessons that launch a lab many times.
+
 The children come from a fork server that has already imported torch. A fresh interpreter
 spends 2 to 4 s of CPU importing torch, per rank and per cell, which on a 2-core laptop is
 most of a small cell's time. The server imports it once, before any thread or process group
@@ -84,48 +87,60 @@ def run_workers(fn, world_size, *args, timeout_s=60, startup_s=120):
 
 
 def _script_rank(rank, script, args, world_size, port, log_dir):
-    """One rank of `torchrun --standalone`: torchrun's environment variables for this rank, its
-    output in a file, then the script run as __main__ (its sys.exit code is the exit code)."""
+    """One rank of `torchrun --standalone`: torchrun's per-rank variables, stdout and stderr in
+    files (line-buffered, so a killed rank keeps what it printed), then the script as
+    __main__; its sys.exit code is the exit code. Unlike a fresh interpreter, atexit handlers
+    do not run (multiprocessing ends the child with os._exit), and the rest of the environment
+    is the fork server's, from when it started."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      ROLE_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
-                      TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="lesson",
-                      OMP_NUM_THREADS="1")
+                      ROLE_NAME="default", WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), ROLE_WORLD_SIZE=str(world_size),
+                      GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                      TORCHELASTIC_RUN_ID="lesson", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # torchrun sets OMP_NUM_THREADS=1; torch read it in the server
-    log = open(Path(log_dir) / f"rank{rank}.log", "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
+    for fd, name in ((1, "out"), (2, "err")):
+        with open(Path(log_dir) / f"rank{rank}.{name}", "w") as file:
+            os.dup2(file.fileno(), fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
     sys.argv = [str(script), *map(str, args)]
     sys.path[0] = str(Path(script).parent)  # as `python script` would
     runpy.run_path(str(script), run_name="__main__")
 
 
+def _outputs(log_dir, nproc):
+    parts = []
+    for rank in range(nproc):
+        for name in ("out", "err"):
+            path = Path(log_dir) / f"rank{rank}.{name}"
+            if path.exists() and path.read_text().strip():
+                parts.append(f"--- rank {rank} std{name}\n{path.read_text()}")
+    return "\n".join(parts)
+
+
 def run_script(script, nproc, args=(), timeout_s=600):
     """What `torchrun --standalone --nproc-per-node nproc script ARGS` does on one machine, with
     the ranks forked from the server above instead of fresh interpreters: about 10 s less per
-    launch on a 2-core machine (torchrun and each rank import torch, and these scripts train for
-    less than that). Returns rank 0's output. A rank that fails stops the others and raises
-    with every rank's output; nothing waits past timeout_s."""
+    launch on a 2-core machine (torchrun and each rank import torch). Returns rank 0's stdout.
+    A rank that fails stops the others and raises with every rank's output; nothing waits
+    past timeout_s, and an interrupted call (Ctrl-C in the notebook) kills its ranks."""
     mp.set_forkserver_preload(_PRELOADED)
     with tempfile.TemporaryDirectory() as log_dir:
         context = mp.start_processes(
             _script_rank, args=(script, list(args), nproc, _free_port(), log_dir),
             nprocs=nproc, join=False, start_method="forkserver")
-
-        def logs():
-            return "\n".join(f"--- rank {r}\n" + (Path(log_dir) / f"rank{r}.log").read_text()
-                             for r in range(nproc) if (Path(log_dir) / f"rank{r}.log").exists())
-
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=1):
                 if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.kill()
                     raise TimeoutError(f"{Path(script).name} on {nproc} ranks did not finish "
-                                       f"within {timeout_s:.0f} s\n{logs()}")
+                                       f"within {timeout_s:.0f} s\n{_outputs(log_dir, nproc)}")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             raise RuntimeError(f"{Path(script).name} {' '.join(map(str, args))}: {exc}\n"
-                               f"{logs()}") from None
-        return (Path(log_dir) / "rank0.log").read_text()
+                               f"{_outputs(log_dir, nproc)}") from None
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        return (Path(log_dir) / "rank0.out").read_text()

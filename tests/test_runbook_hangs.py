@@ -131,10 +131,10 @@ def runs(tmp_path_factory):
     return results
 
 
-# Which side of a dropped gloo connection notices first decides whether the peer reads
-# "Connection reset by peer" or "Connection closed by peer", and torchrun may stop the peer before
-# it prints either (collective-timeout.md says so). The shape drill printed "reset" in 4 runs of 4
-# here, alone; under CI's load one run printed neither, so it is run again until it does.
+# The shape drill's aborting rank leaves its peer's data unread, so the peer's read fails with
+# "Connection reset by peer" (4 runs of 4 here, alone). But torchrun may stop the peer before it
+# prints it (collective-timeout.md says so): under CI's load one run printed nothing, so the
+# drill is run again until it does.
 PEER_RESET = "Connection reset by peer. This is typically caused by a remote worker hanging"
 
 
