@@ -17,7 +17,7 @@ import os, sys, time
 rank = int(os.environ["RANK"])
 print(f"rank {rank} of {os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} "
       f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} args {sys.argv[1:]} "
-      f"main {__name__}", flush=True)
+      f"main {__name__} extra {os.environ.get('EXTRA')}", flush=True)
 print("UserWarning: printed after the summary line", file=sys.stderr, flush=True)
 if "--fail" in sys.argv and rank == 1:
     sys.exit("rank 1: bad shard")
@@ -35,9 +35,9 @@ def script(tmp_path_factory):
 
 
 def test_each_rank_gets_torchruns_environment(script):
-    out = run_script(script, 2, ["--x", 1], timeout_s=60)
+    out = run_script(script, 2, ["--x", 1], timeout_s=60, env={"EXTRA": "set"})
     assert out.startswith("rank 0 of 2 local 0 master 127.0.0.1:")
-    assert "args ['--x', '1'] main __main__" in out
+    assert "args ['--x', '1'] main __main__ extra set" in out
     assert "UserWarning" not in out  # stdout only: a caller prints its last line, the summary
 
 
