@@ -400,7 +400,7 @@ assert ratio[("lab01_ddp", 1024)] <= 2.0, ratio
 # - **FSDP2's own copies**: copy-in before the all-gather, copy-out after, the reduce's division
 #   and cast, about 170 ms.
 # - At width 256 the step is overhead (Python, the dispatcher, launching gloo work), which no
-#   FLOP or byte count sees: the ratio grows (1.3 to 1.8 for lab01, 1.6 to 2.2 for lab02, in
+#   FLOP or byte count sees: the ratio grows (1.3 to 1.8 for lab01, 1.6 to 2.9 for lab02, in
 #   the runs made while writing this).
 
 # %% [markdown]
