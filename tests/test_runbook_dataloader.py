@@ -13,10 +13,11 @@ import os
 import re
 import signal
 import time
+import warnings
 
 import pytest
 
-from launcher import PYTHON, REPO, run, torchrun_cmd
+from launcher import PYTHON, REPO, launch_failed, run, torchrun_cmd
 
 DRILLS = REPO / "runbooks" / "drills"
 RUNBOOKS = REPO / "runbooks"
@@ -44,8 +45,26 @@ def slow_input(tmp_path_factory):
     out = tmp_path_factory.mktemp("slow_input") / "slow.json"
     cmd = torchrun_cmd(DRILLS / "dataloader_slow_input.py", 2,
                        ["--configs", "0", "4:2", "4:2:persistent", "--json-out", out])
-    proc = run(cmd, timeout=300)
+    proc = run(cmd, timeout=300, check=False)
+    if aborted_after_its_work(proc, lines=3 * 2):
+        # Seen once in CI (2026-12-03): rank 0 printed every line, then
+        # aborted in teardown. It did not recur in 8 runs here, so the drill
+        # now enables faulthandler (a recurrence prints where each thread was) and this fixture
+        # reruns it once, saying so. Any other failure, or a second abort, fails the tests.
+        warnings.warn(f"dataloader_slow_input.py aborted after its work; rerun once:\n"
+                      f"{proc.stderr[-3000:]}")
+        out.unlink(missing_ok=True)
+        proc = run(cmd, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise launch_failed(proc)
     return proc, results_by_config(json.loads(out.read_text()))
+
+
+def aborted_after_its_work(proc, lines):
+    """Rank 0 printed all its result lines (configs x ranks), then a rank died of SIGABRT."""
+    return (proc.returncode != 0 and proc.stdout.count(" | rank ") == lines
+            and "terminate called without an active exception" in proc.stderr
+            and "exitcode  : -6" in proc.stderr)
 
 
 def test_slow_input_without_workers_is_data_bound(slow_input):
@@ -101,11 +120,12 @@ def straggler(tmp_path_factory):
     cmd = torchrun_cmd(DRILLS / "dataloader_straggler.py", 2,
                        ["--num-workers", "0", "4", "--json-out", out])
     proc = run(cmd, timeout=300)
-    return proc, json.loads(out.read_text())["results"]
+    payload = json.loads(out.read_text())
+    return proc, payload["results"], payload["args"]
 
 
 def test_straggler_is_the_rank_waiting_on_data(straggler):
-    proc, (slow, _) = straggler
+    proc, (slow, _), _ = straggler
     straggler_rank, other = slow[1], slow[0]
     assert straggler_rank["slow"] and not other["slow"]
     assert straggler_rank["data_share"] >= 0.5, slow
@@ -120,12 +140,17 @@ def test_straggler_is_the_rank_waiting_on_data(straggler):
 
 
 def test_workers_on_the_straggler_release_every_rank(straggler):
-    _, (slow, fixed) = straggler
+    _, (slow, fixed), args = straggler
     # 4 workers feed a batch every 16 samples x 4 ms / 4 = 16 ms, about one step of compute, so
     # some waiting remains (18-46% measured, load-dependent); what must go is most of it...
     assert fixed[1]["data_share"] <= slow[1]["data_share"] - 0.25, (slow, fixed)
-    # ...and the step time of every rank, since the other rank was waiting for the straggler.
-    assert max(m["step_ms"] for m in fixed) <= 0.5 * max(m["step_ms"] for m in slow), (slow, fixed)
+    # ...and from the step of every rank, since the other rank was waiting for the straggler,
+    # the straggler's read time: batch x io-ms = 64 ms per step with 0 workers, hidden behind
+    # compute with 4. At least half of it must go (about 50 ms in one CI run, 65-68 ms in the
+    # page's table). A ratio of step times would test this CPU's compute speed instead.
+    read_ms = args["batch_size"] * args["io_ms"]
+    for before, after in zip(slow, fixed):
+        assert before["step_ms"] - after["step_ms"] >= 0.5 * read_ms, (slow, fixed)
 
 
 def test_straggler_stall_becomes_a_collective_timeout_on_the_other_rank():

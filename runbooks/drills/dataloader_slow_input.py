@@ -22,6 +22,7 @@ Output: one line per configuration and rank, e.g. (2-core CPU machine, gloo):
 
 import argparse
 import datetime
+import faulthandler
 import gc
 import json
 import os
@@ -212,6 +213,9 @@ def run(args, rank, world_size, device):
 
 def main(argv=None):
     args = parse_args(argv)
+    # A rank that aborts (SIGABRT, e.g. "terminate called without an active exception" at exit)
+    # prints every thread's Python stack first, so a rare abort says where it happened.
+    faulthandler.enable(all_threads=True)
     rank, world_size, device = init_distributed(args.timeout_s)
     try:
         results = run(args, rank, world_size, device)
