@@ -29,12 +29,11 @@
 # Every figure below is measured on the machine that runs the notebook (CI: 2 cores), except
 # those marked as published GPU results, which are cited and not measured here.
 #
-# The compile section starts its two lab02 runs as `torchrun --standalone --nproc-per-node 2`
-# would (torchrun's per-rank variables), but forks each rank from a server that has already
-# imported torch (`run_script` in `lessons/spawn.py`): a fresh torchrun spends about 10 s of
-# a 2-core machine importing torch in three processes. The bubble runs and the step-time
-# model's `perf_model.py --check` start real torchrun, as you would; the check reuses the
-# compile section's eager run for its lab02 case at width 1024.
+# Most lab runs below start as `torchrun --standalone --nproc-per-node 2` would (torchrun's
+# per-rank variables), but fork each rank from a server that has already imported torch
+# (`run_script` in `lessons/spawn.py`): a fresh torchrun spends about 10 s of a 2-core
+# machine importing torch in three processes. The bubble runs, and the communication
+# benchmark inside `perf_model.py --check`, start real torchrun, as you would.
 
 # %%
 import argparse
@@ -353,11 +352,15 @@ for estimate in (least_idle, lambda b: b["measured"]):
 # bandwidth comm_bench measures), and every collective the strategy issues, timed with
 # lesson 00's `t = a + b S` fit from `labs/comm_bench.py`. On gloo the collectives run on
 # the same two cores as the compute, so the model adds them up (the "exposed" bound).
-# `--check` measures this machine and runs lab01 (DDP) and lab02 (FSDP) at 2 ranks. Here
-# `--reuse` hands it the compile section's eager lab02 run at width 1024, which used the
-# same settings (`perf_model.case_args`), so it starts three labs, not four.
+# `--check` measures this machine and runs lab01 (DDP) and lab02 (FSDP) at 2 ranks, each
+# with the settings of `perf_model.case_args`. Here the lesson runs those cases itself, with
+# forked ranks, and `--reuse` hands them over (lab02 at width 1024 is the compile section's
+# eager run), so the check starts only `comm_bench`.
 
 # %%
+for lab_name, dim in (("lab01_ddp", 256), ("lab01_ddp", 1024), ("lab02_fsdp", 256)):
+    run_lab(f"{lab_name}.py", 2, *perf_model.case_args(dim),
+            metrics_path=workdir / f"{lab_name}-{dim}.json")
 check_path = workdir / "perf_model.json"
 proc = subprocess.run([sys.executable, str(ROOT / "labs" / "perf_model.py"), "--check",
                        "--dims", "256,1024", "--reuse", str(workdir), "--out", str(check_path)],
@@ -377,13 +380,11 @@ print(f"lab01 at width 1024: measured / predicted {ratio[('lab01_ddp', 1024)]:.2
 assert ratio[("lab01_ddp", 1024)] <= 2.0, ratio
 
 # %% [markdown]
-# Where compute dominates (lab01 at width 1024) the model lands near the 35% target on a quiet
-# machine: 9% to 37% above in six runs made while writing this, and 57% above in a seventh,
-# while the hypervisor took more of the VM (this run's figure is printed above; those runs
-# timed 7 steps per case, the check now times 5). It is a lower bound everywhere, as it
-# should be. lab02 misses by more
-# (1.5 to 2.0 at width 1024). The largest term it leaves out is the first one below: on one
-# thread, even a single process runs the lab model at width 1024 at 40% to 70% of the
+# Where compute dominates (lab01 at width 1024) the model lands near the 35% target: 8% to 57%
+# above in the runs made while writing this, furthest off when the hypervisor took more of
+# the VM (this run's figure is printed above). It is a lower bound everywhere, as it should
+# be. lab02 misses by more (1.3 to 2.1 at width 1024). The largest term it leaves out is the
+# first one below: on one thread, even a single process runs the lab model at width 1024 at 40% to 70% of the
 # matmul peak (section 1), so FLOPs at the peak alone undercount its compute by a third or
 # more. What it leaves out, measured with the profiler while
 # writing this (lab02, width 1024, one step: 1,262 ms):
@@ -400,7 +401,7 @@ assert ratio[("lab01_ddp", 1024)] <= 2.0, ratio
 # - **FSDP2's own copies**: copy-in before the all-gather, copy-out after, the reduce's division
 #   and cast, about 170 ms.
 # - At width 256 the step is overhead (Python, the dispatcher, launching gloo work), which no
-#   FLOP or byte count sees: the ratio grows (1.3 to 1.8 for lab01, 1.6 to 2.9 for lab02, in
+#   FLOP or byte count sees: the ratio grows (1.3 to 1.9 for lab01, 1.6 to 2.9 for lab02, in
 #   the runs made while writing this).
 
 # %% [markdown]
@@ -455,7 +456,7 @@ for name, tps in published.items():
 #   for an 8B model (not measured here).
 # - `labs/perf_model.py` predicts a step from FLOPs at the measured peak and collectives from
 #   the alpha-beta fit. It is a lower bound: where compute dominates, the measured step came
-#   out 9% to 57% above it (the target is 35%); what it misses is named above. With datasheet
+#   out 8% to 57% above it (the target is 35%); what it misses is named above. With datasheet
 #   figures it predicts three times a published run's throughput: kernels run at a third of
 #   the peak.
 # - With stages heavy enough, the measured bubble lands on `(p - 1) / (m + p - 1)`.

@@ -25,7 +25,7 @@
 #
 # 下面的每个数字都是在运行本 notebook 的机器上测得的（CI：2 个核）；标明为公开 GPU 结果的除外，那些是引用的，不是在这里测的。
 #
-# compile 一节启动它的两次 lab02 运行时，方式与 `torchrun --standalone --nproc-per-node 2` 相同（torchrun 为每个 rank 设置的环境变量也一样），只是每个 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `run_script`）：在 2 核机器上，一次全新的 torchrun 要花约 10 s 在三个进程里导入 torch。流水线气泡的几次运行和步耗时模型的 `perf_model.py --check` 启动的是真正的 torchrun，和你自己运行时一样；检查中宽度 1024 的 lab02 案例复用 compile 一节的 eager 运行。
+# 下面大多数 lab 运行的启动方式与 `torchrun --standalone --nproc-per-node 2` 相同（torchrun 为每个 rank 设置的环境变量也一样），只是每个 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `run_script`）：在 2 核机器上，一次全新的 torchrun 要花约 10 s 在三个进程里导入 torch。流水线气泡的几次运行，以及 `perf_model.py --check` 内部的通信基准测试，启动的是真正的 torchrun，和你自己运行时一样。
 
 # %%
 import argparse
@@ -294,9 +294,12 @@ for estimate in (least_idle, lambda b: b["measured"]):
 # %% [markdown]
 # ## 步耗时模型，与实测的步对照
 #
-# `labs/perf_model.py` 把一步拆成几项来预测：计算（这一步的 FLOPs，按实测的矩阵乘法峰值折算成时间）、优化器（AdamW 和梯度裁剪：按 comm_bench 测得的内存带宽，对 fp32 参数扫 22 遍），以及该策略发起的每一次集合通信，其耗时用第 00 课的 `t = a + b S` 拟合计算（拟合来自 `labs/comm_bench.py`）。在 gloo 上，集合通信和计算跑在同样的两个核上，所以模型把它们直接相加（即“exposed”界：通信完全不被掩盖）。`--check` 会测量这台机器，并用 2 个 rank 运行 lab01（DDP）和 lab02（FSDP）。这里用 `--reuse` 把 compile 那一节里宽度 1024 的 eager lab02 运行交给它，那次运行用的是同样的设置（`perf_model.case_args`），所以它只需启动三个 lab，而不是四个。
+# `labs/perf_model.py` 把一步拆成几项来预测：计算（这一步的 FLOPs，按实测的矩阵乘法峰值折算成时间）、优化器（AdamW 和梯度裁剪：按 comm_bench 测得的内存带宽，对 fp32 参数扫 22 遍），以及该策略发起的每一次集合通信，其耗时用第 00 课的 `t = a + b S` 拟合计算（拟合来自 `labs/comm_bench.py`）。在 gloo 上，集合通信和计算跑在同样的两个核上，所以模型把它们直接相加（即“exposed”界：通信完全不被掩盖）。`--check` 会测量这台机器，并用 2 个 rank 运行 lab01（DDP）和 lab02（FSDP），每个案例都用 `perf_model.case_args` 的设置。这里由课程自己用 fork 出来的 rank 先跑这些案例，再用 `--reuse` 交给它（宽度 1024 的 lab02 就是 compile 那一节的 eager 运行），所以检查只需启动 `comm_bench`。
 
 # %%
+for lab_name, dim in (("lab01_ddp", 256), ("lab01_ddp", 1024), ("lab02_fsdp", 256)):
+    run_lab(f"{lab_name}.py", 2, *perf_model.case_args(dim),
+            metrics_path=workdir / f"{lab_name}-{dim}.json")
 check_path = workdir / "perf_model.json"
 proc = subprocess.run([sys.executable, str(ROOT / "labs" / "perf_model.py"), "--check",
                        "--dims", "256,1024", "--reuse", str(workdir), "--out", str(check_path)],
@@ -316,14 +319,14 @@ print(f"lab01 at width 1024: measured / predicted {ratio[('lab01_ddp', 1024)]:.2
 assert ratio[("lab01_ddp", 1024)] <= 2.0, ratio
 
 # %% [markdown]
-# 在计算占主导的情况下（lab01，宽度 1024），在机器空闲时，模型的预测接近 35% 的目标：编写本课时的六次运行中，实测比预测高 9% 到 37%；第七次高 57%，当时虚拟化层占走了更多 CPU（本次运行的数字打印在上面；那些运行每个案例计时 7 步，现在的检查计时 5 步）。它在所有情况下都是下界，这也符合预期。lab02 的偏差更大（宽度 1024 时为 1.5 到 2.0）。
+# 在计算占主导的情况下（lab01，宽度 1024），模型的预测接近 35% 的目标：编写本课时的各次运行中，实测比预测高 8% 到 57%，虚拟化层占走更多 CPU 时偏差最大（本次运行的数字打印在上面）。它在所有情况下都是下界，这也符合预期。lab02 的偏差更大（宽度 1024 时为 1.3 到 2.1）。
 #
 # 它漏掉的最大一项是下面第一条：在单线程上，即使是单个进程，在宽度 1024 下运行实验模型也只能达到矩阵乘法峰值的 40% 到 70%（第 1 节），所以仅按峰值折算 FLOPs，会把计算时间少算三分之一甚至更多。模型漏掉的内容如下，都是编写本课时用 profiler 测得的（lab02，宽度 1024，一步：1,262 ms）：
 #
 # - **所有不是矩阵乘法的运算。** FLOPs 公式只计入矩阵乘法；norm、softmax、SwiGLU 的乘积、RoPE 和 loss 的运行速度都远低于矩阵乘法的峰值。`aten::mm` 本身就用了 548 ms，而预测值是 481：反向传播中的转置矩阵乘法达不到 512 x 512 的峰值。
 # - **训练中的集合通信比 comm_bench 里慢。** gloo 的 all-gather 和 all-reduce 用了 384 ms，而按 comm_bench 在相同大小下的拟合，预测只有 233。gloo 没有 reduce-scatter：`reduce_scatter_tensor_coalesced` 会克隆输入，对整个张量做 all-reduce，再把自己那一块拷出来（ProcessGroupGloo.cpp，v2.6.0 的第 1964-1997 行；2.13 只发布了二进制），所以一次 reduce-scatter 的代价等于一次 all-reduce，即 `2 (n-1)/n S`。
 # - **FSDP2 自己的拷贝**：all-gather 之前的 copy-in、之后的 copy-out，以及 reduce 时的除法和类型转换，约 170 ms。
-# - 在宽度 256 时，一步主要是开销（Python、dispatcher、发起 gloo 操作），任何 FLOP 或字节计数都看不到它：比值随之变大（编写本课时的运行中，lab01 为 1.3 到 1.8，lab02 为 1.6 到 2.9）。
+# - 在宽度 256 时，一步主要是开销（Python、dispatcher、发起 gloo 操作），任何 FLOP 或字节计数都看不到它：比值随之变大（编写本课时的运行中，lab01 为 1.3 到 1.9，lab02 为 1.6 到 2.9）。
 
 # %% [markdown]
 # ## 用同一个模型对照一次公开的训练
@@ -361,7 +364,7 @@ for name, tps in published.items():
 # - MFU = 每 token 的 FLOPs x 每秒 token 数 / 峰值。在单个 CPU 线程上，它从宽度 32 时的约 5% 升到宽度 1024 时的 40% 或更高（这台 VM 上的几次运行为 40% 到约 70%）：实验的调试模型受限于开销。
 # - 即使在 gloo 上，DDP 的桶 all-reduce 也会与反向传播重叠。FSDP2 的预取依靠 CUDA stream 实现重叠，所以在 CPU 上按默认配置会阻塞；异步 all-gather 可以重叠，但每个 rank 只有一个核，没有空闲的引擎可以让它从中获益。
 # - 对由矩阵乘法构成的 CPU 步，`torch.compile` 收益很小；公开的 GPU 结果是 8B 模型提升 16%（未在这里测量）。
-# - `labs/perf_model.py` 用实测峰值下的 FLOPs 预测计算，用 alpha-beta 拟合预测集合通信。它是一个下界：在计算占主导时，实测的步比它高 9% 到 57%（目标是 35%）；它漏掉了什么，上文已一一列出。代入数据手册的数字，它预测的吞吐量是一次公开训练的三倍：kernel 只跑到峰值的三分之一。
+# - `labs/perf_model.py` 用实测峰值下的 FLOPs 预测计算，用 alpha-beta 拟合预测集合通信。它是一个下界：在计算占主导时，实测的步比它高 8% 到 57%（目标是 35%）；它漏掉了什么，上文已一一列出。代入数据手册的数字，它预测的吞吐量是一次公开训练的三倍：kernel 只跑到峰值的三分之一。
 # - 只要阶段足够重，测得的气泡就会落在 `(p - 1) / (m + p - 1)` 上。
 #
 # ## 练习
