@@ -376,7 +376,8 @@ plt.show()
 # - Bubble `(p - 1) / (m + p - 1)`, divided by `v` stages per rank when interleaved; measured
 #   here and compared: the equal-stage replay gives the formula exactly, the replay with
 #   measured costs lands 0.00 to 0.12 above the formula, the wall clock above both (with
-#   stages heavy enough, lesson 06's least idle step lands within 15% of the formula).
+#   stages heavy enough, lesson 06's measured bubble lands within 15% of the formula, once
+#   the formula is given each stage's measured time).
 # - 1F1B holds at most `pp - rank` microbatches, GPipe all `m`: measured in saved bytes.
 # - Every schedule trains the same model as one process: parity within 1e-5.
 #
