@@ -215,6 +215,14 @@ def case_args(dim):
             "--amp", "off"]
 
 
+CHECKED_LABS = ("lab01_ddp", "lab02_fsdp")  # the strategies --check compares: DDP, FSDP
+
+
+def case_file(folder, lab, dim):
+    """Where a case's metrics live: the name --reuse looks for (e.g. lab02_fsdp-1024.json)."""
+    return Path(folder) / f"{lab}-{dim}.json"
+
+
 def reusable(path, dim, nproc):
     """A metrics file an earlier run of the same case wrote (lesson 06's eager run, say): used
     only if that run had case_args's values, this world size and no --compile. Other flags
@@ -231,13 +239,13 @@ def reusable(path, dim, nproc):
 
 
 def run_case(lab, dim, nproc, folder):
-    metrics_path = Path(folder) / f"{lab}-{dim}.json"
+    metrics_path = case_file(folder, lab, dim)
     run(torchrun(f"{lab}.py", nproc, [*case_args(dim), "--metrics-out", metrics_path]))
     return json.loads(metrics_path.read_text())
 
 
 def check_case(lab, dim, nproc, fits, traffic, peak, folder, reuse_dir=None):
-    reused = reusable(Path(reuse_dir) / f"{lab}-{dim}.json", dim, nproc) if reuse_dir else None
+    reused = reusable(case_file(reuse_dir, lab, dim), dim, nproc) if reuse_dir else None
     metrics = reused or run_case(lab, dim, nproc, folder)
     tokens_per_rank = metrics["config"]["batch_size"] * metrics["config"]["seq_len"] / nproc
     flops = metrics["flops_per_token"] * tokens_per_rank
@@ -291,7 +299,7 @@ def main(argv=None):
         fits, traffic = measure_fits(args.nproc, folder)
         peak = measure_peak()
         cases = [check_case(lab, int(dim), args.nproc, fits, traffic, peak, folder, args.reuse)
-                 for lab in ("lab01_ddp", "lab02_fsdp") for dim in args.dims.split(",")]
+                 for lab in CHECKED_LABS for dim in args.dims.split(",")]
     result = {"fits": {op: vars(fit) for op, fit in fits.items()}, "peak_flops": peak,
               "memory_traffic_bytes_per_s": traffic, "cases": cases}
     for case in cases:

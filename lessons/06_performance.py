@@ -256,11 +256,12 @@ plt.show()
 # ranks; the compile itself happens in the first step and is reported apart.
 
 # %%
-# perf_model's settings at width 1024: sync points at steps 1, 4 and 5, so the first step
-# (with the compile) is a window of its own and the throughput is that of steps 2 to 5. The
+# perf_model's settings at width 1024: sync points at steps 1, 5 and 6, so the first step
+# (with the compile) is a window of its own and the throughput is that of steps 2 to 6. The
 # eager run is saved where the step-time model's `perf_model.py --check --reuse` finds it.
 WIDE = perf_model.case_args(1024)
-eager = run_lab("lab02_fsdp.py", 2, *WIDE, metrics_path=workdir / "lab02_fsdp-1024.json")
+eager = run_lab("lab02_fsdp.py", 2, *WIDE,
+              metrics_path=perf_model.case_file(workdir, "lab02_fsdp", 1024))
 # A fresh inductor cache: the first compile a reader pays, not a load from an earlier run's.
 compiled = run_lab("lab02_fsdp.py", 2, *WIDE, "--compile",
                    extra_env={"TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache")})
@@ -382,12 +383,16 @@ for estimate in (least_idle, lambda b: b["measured"]):
 # eager run), so the check starts only `comm_bench`.
 
 # %%
-for lab_name, dim in (("lab01_ddp", 256), ("lab01_ddp", 1024), ("lab02_fsdp", 256)):
-    run_lab(f"{lab_name}.py", 2, *perf_model.case_args(dim),
-            metrics_path=workdir / f"{lab_name}-{dim}.json")
+CHECK_DIMS = (256, 1024)
+for lab_name in perf_model.CHECKED_LABS:
+    for dim in CHECK_DIMS:
+        case = perf_model.case_file(workdir, lab_name, dim)
+        if not perf_model.reusable(case, dim, 2):  # lab02 at 1024: the compile section's run
+            run_lab(f"{lab_name}.py", 2, *perf_model.case_args(dim), metrics_path=case)
 check_path = workdir / "perf_model.json"
 proc = subprocess.run([sys.executable, str(ROOT / "labs" / "perf_model.py"), "--check",
-                       "--dims", "256,1024", "--reuse", str(workdir), "--out", str(check_path)],
+                       "--dims", ",".join(map(str, CHECK_DIMS)), "--reuse", str(workdir),
+                       "--out", str(check_path)],
                       check=True, timeout=900, env=env, capture_output=True, text=True)
 print(proc.stdout)
 cases = json.loads(check_path.read_text())["cases"]
@@ -408,10 +413,10 @@ assert ratio[("lab01_ddp", 1024)] <= 2.0, ratio
 # above in the runs made while writing this, furthest off when the hypervisor took more of
 # the VM (this run's figure is printed above). It is a lower bound everywhere, as it should
 # be. lab02 misses by more (1.3 to 2.1 at width 1024). The largest term it leaves out is the
-# first one below: on one thread, even a single process runs the lab model at width 1024 at 40% to 70% of the
-# matmul peak (section 1), so FLOPs at the peak alone undercount its compute by a third or
-# more. What it leaves out, measured with the profiler while
-# writing this (lab02, width 1024, one step: 1,262 ms):
+# first one below: on one thread, even a single process runs the lab model at width 1024 at
+# 40% to 70% of the matmul peak (section 1), so FLOPs at the peak alone undercount its
+# compute by a third or more. What it leaves out, measured with the profiler while writing
+# this (lab02, width 1024, one step: 1,262 ms):
 #
 # - **Everything that is not a matmul.** The FLOPs formula counts matmuls only; the norms,
 #   softmax, SwiGLU's product, RoPE and the loss run far below the matmul peak. `aten::mm`

@@ -218,11 +218,12 @@ plt.show()
 # lab02 的 `--compile` 在分片之前用 inductor 编译每个 block（即 torchtitan 的逐 block 编译）。在宽度 1024、计算占主导的条件下，用两个 rank 对比 eager 模式和编译后的版本；编译本身发生在第一步，单独报告。
 
 # %%
-# perf_model's settings at width 1024: sync points at steps 1, 4 and 5, so the first step
-# (with the compile) is a window of its own and the throughput is that of steps 2 to 5. The
+# perf_model's settings at width 1024: sync points at steps 1, 5 and 6, so the first step
+# (with the compile) is a window of its own and the throughput is that of steps 2 to 6. The
 # eager run is saved where the step-time model's `perf_model.py --check --reuse` finds it.
 WIDE = perf_model.case_args(1024)
-eager = run_lab("lab02_fsdp.py", 2, *WIDE, metrics_path=workdir / "lab02_fsdp-1024.json")
+eager = run_lab("lab02_fsdp.py", 2, *WIDE,
+              metrics_path=perf_model.case_file(workdir, "lab02_fsdp", 1024))
 # A fresh inductor cache: the first compile a reader pays, not a load from an earlier run's.
 compiled = run_lab("lab02_fsdp.py", 2, *WIDE, "--compile",
                    extra_env={"TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache")})
@@ -314,12 +315,16 @@ for estimate in (least_idle, lambda b: b["measured"]):
 # `labs/perf_model.py` 把一步拆成几项来预测：计算（这一步的 FLOPs，按实测的矩阵乘法峰值折算成时间）、优化器（AdamW 和梯度裁剪：按 comm_bench 测得的内存带宽，对 fp32 参数扫 22 遍），以及该策略发起的每一次集合通信，其耗时用第 00 课的 `t = a + b S` 拟合计算（拟合来自 `labs/comm_bench.py`）。在 gloo 上，集合通信和计算跑在同样的两个核上，所以模型把它们直接相加（即“exposed”界：通信完全不被掩盖）。`--check` 会测量这台机器，并用 2 个 rank 运行 lab01（DDP）和 lab02（FSDP），每个案例都用 `perf_model.case_args` 的设置。这里由课程自己用 fork 出来的 rank 先跑这些案例，再用 `--reuse` 交给它（宽度 1024 的 lab02 就是 compile 那一节的 eager 运行），所以检查只需启动 `comm_bench`。
 
 # %%
-for lab_name, dim in (("lab01_ddp", 256), ("lab01_ddp", 1024), ("lab02_fsdp", 256)):
-    run_lab(f"{lab_name}.py", 2, *perf_model.case_args(dim),
-            metrics_path=workdir / f"{lab_name}-{dim}.json")
+CHECK_DIMS = (256, 1024)
+for lab_name in perf_model.CHECKED_LABS:
+    for dim in CHECK_DIMS:
+        case = perf_model.case_file(workdir, lab_name, dim)
+        if not perf_model.reusable(case, dim, 2):  # lab02 at 1024: the compile section's run
+            run_lab(f"{lab_name}.py", 2, *perf_model.case_args(dim), metrics_path=case)
 check_path = workdir / "perf_model.json"
 proc = subprocess.run([sys.executable, str(ROOT / "labs" / "perf_model.py"), "--check",
-                       "--dims", "256,1024", "--reuse", str(workdir), "--out", str(check_path)],
+                       "--dims", ",".join(map(str, CHECK_DIMS)), "--reuse", str(workdir),
+                       "--out", str(check_path)],
                       check=True, timeout=900, env=env, capture_output=True, text=True)
 print(proc.stdout)
 cases = json.loads(check_path.read_text())["cases"]
