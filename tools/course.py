@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import build_site  # tools/build_site.py
+import build_site as site_builder  # tools/build_site.py (a module name no function here shadows)
 import lessons as lesson_tools  # tools/lessons.py (this directory is on sys.path)
 import verified  # tools/verified.py
 
@@ -82,9 +82,9 @@ def execute_lessons():
     return lessons
 
 
-def build_site():
+def build_site_editions():
     print("[site] mkdocs build --strict: English and 简体中文 (site/zh/), at the same time", flush=True)
-    seconds = build_site.build(quiet=True)
+    seconds = site_builder.build(quiet=True)
     print("    " + " | ".join(f"{lang} {s:.0f} s" for lang, s in seconds.items()), flush=True)
     return ROOT / "site" / "index.html"
 
@@ -140,7 +140,7 @@ def main():
         print(f"    {summary_of(OUT / (lab.stem + '.log'))}", flush=True)
     (OUT / "summary.json").write_text(json.dumps(results, indent=2))
     lessons = execute_lessons()
-    site = None if args.skip_site else build_site()
+    site = None if args.skip_site else build_site_editions()
     print("\n" + summary_table(results))
     print(f"\n{len(labs)} labs, {len(lessons)} lessons executed"
           f"{'' if site is None else f', site at {site.relative_to(ROOT)}'}"
