@@ -59,6 +59,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import zlib
@@ -172,6 +173,9 @@ def validate_common(cfg, world_size, dp_size):
     """Checks every lab shares. dp_size: the ranks that split the batch (world size over the
     model-parallel degrees); it fills in the default --batch-size."""
     apply_model_preset(cfg)
+    for name, value in vars(cfg).items():  # float("nan") passes every <= check below
+        if isinstance(value, float) and not math.isfinite(value):
+            fail_config(f"--{name.replace('_', '-')}", f"must be a finite number, got {value}")
     positive = ["steps", "micro_batch_size", "grad_accum", "seq_len", "dim", "num_layers",
                 "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "num_samples", "lr",
                 "timeout_s", "log_every"]
@@ -218,6 +222,10 @@ def validate_common(cfg, world_size, dp_size):
         fail_config("--resume", f"no complete checkpoint in {cfg.checkpoint_dir}")
     if cfg.plan:
         return  # the rest is about this machine, which a plan does not need
+    if cfg.checkpoint_dir:
+        refuse_unwritable_directory("--checkpoint-dir", Path(cfg.checkpoint_dir))
+    if cfg.metrics_out:
+        refuse_unwritable_directory("--metrics-out", Path(cfg.metrics_out).parent)
     if cfg.device == "cuda" and torch.cuda.device_count() < local_world_size():
         fail_config("--device", f"cuda needs one GPU per local rank: {local_world_size()} ranks, "
                     f"{torch.cuda.device_count()} GPUs visible; use --device cpu")
@@ -240,6 +248,18 @@ def validate_drill_flags(cfg, world_size):
     if cfg.check_parity and not cfg.plan and compute_dtype(cfg, pick_device_type(cfg)) is not None:
         fail_config("--check-parity", "needs fp32 (--amp off): bf16/fp16 rounding is far above 1e-5")
 # lean: end
+
+
+def refuse_unwritable_directory(flag, directory):
+    """Create `directory` and write a file in it now, on every rank, so that a path that
+    cannot hold the output fails here in one line, not as a traceback from every rank after
+    minutes of training."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        fail_config(flag, f"cannot create or write {directory}: {err.strerror or err}")
 
 
 def apply_model_preset(cfg):

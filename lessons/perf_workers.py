@@ -45,9 +45,11 @@ def build(strategy, dim, num_layers):
 
 
 def intervals(prof):
-    """(kind, name, start_s, end_s): compute on the training thread, gloo's collectives. The
-    profiler numbers threads itself; the training thread is the one that ran the aten ops
-    (on CPU, autograd runs backward on the thread that called it)."""
+    """(kind, name, start_s, end_s): "compute" (aten ops on the training thread), "comm"
+    (gloo's collectives, on gloo's threads) and "marker" (what the training thread did in
+    order: the c10d calls that issue collectives, FSDP's phases, autograd's backward nodes).
+    The profiler numbers threads itself; the training thread is the one that ran the aten
+    ops (on CPU, autograd runs backward on the thread that called it)."""
     events = prof.events()
     training_thread = Counter(e.thread for e in events if e.name.startswith("aten::"))
     training_thread = training_thread.most_common(1)[0][0]
@@ -56,9 +58,16 @@ def intervals(prof):
         start, end = e.time_range.start / 1e6, e.time_range.end / 1e6
         if e.name.startswith("gloo:"):
             out.append(("comm", e.name, start, end))
-        elif e.thread == training_thread and e.name.startswith("aten::"):
+        elif e.thread != training_thread:
+            continue
+        elif e.name.startswith("aten::"):
             out.append(("compute", e.name, start, end))
+        elif e.name.startswith(MARKERS):
+            out.append(("marker", e.name, start, end))
     return out
+
+
+MARKERS = ("c10d::", "FSDP::", "autograd::engine::evaluate_function:")
 
 
 def profiled_steps(rank, world_size, strategies, dim, num_layers=4):
@@ -86,3 +95,29 @@ def profiled_step(strategy, dim, num_layers):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     return intervals(prof)
+
+
+# What the overlap cell asserts: the order in which the training thread did things, which no
+# load on the machine can change (how much of gloo's time overlapped compute is printed beside).
+def allreduces_issued_during_backward(events):
+    """(all-reduces issued before the last backward node began, all-reduces issued). DDP's
+    reducer issues a bucket's all-reduce from the autograd hook that fills the bucket's last
+    gradient, so every bucket but the last (the embedding's, whose gradient comes last) is
+    issued while backward still has work to do."""
+    backward = [start for kind, name, start, _ in events
+                if kind == "marker" and name.startswith("autograd::engine::evaluate_function:")]
+    issued = [start for kind, name, start, _ in events
+              if kind == "marker" and name == "c10d::allreduce_"]
+    return sum(start < max(backward) for start in issued), len(issued)
+
+
+def prefetched_in_forward(events, num_layers):
+    """For blocks 1..num_layers-1: was the block's all-gather issued before the previous
+    block's forward ended? That is what forward prefetching means; FSDP2's default on CPU
+    gathers a block only when the block is about to run."""
+    first = {}
+    for kind, name, start, _ in sorted(events, key=lambda event: event[2]):
+        if kind == "marker":
+            first.setdefault(name, start)  # forward's occurrence comes first
+    return [first[f"FSDP::all_gather (layers.{k})"] < first[f"FSDP::post_forward (layers.{k - 1})"]
+            for k in range(1, num_layers)]

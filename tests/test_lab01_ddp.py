@@ -91,6 +91,10 @@ BAD_INPUTS = [
     (["--bucket-cap-mb", "-1"], "--bucket-cap-mb"),
     (["--fail-rank", "3"], "--fail-rank"),
     (["--lr", "abc"], "--lr"),
+    (["--lr", "nan"], "--lr"),  # passes every "> 0" test; AdamW would raise on every rank
+    (["--clip", "inf"], "--clip"),
+    (["--checkpoint-dir", "/proc/forbidden"], "--checkpoint-dir"),  # mkdir fails there, even as root
+    (["--metrics-out", "/proc/forbidden/metrics.json"], "--metrics-out"),
 ]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import LABS, REPO, load_script, shared_lab_run
+from launcher import LABS, PYTHON, REPO, load_script, run_all, shared_lab_run
 
 sys.path.insert(0, str(REPO / "tools"))
 LAB_PATHS = sorted(LABS.glob("lab[0-9][0-9]_*.py"))
@@ -33,6 +33,15 @@ def test_docstring_expected_last_line_matches_a_run(lab_path, tmp_path):
     done = [line for line in proc.stdout.splitlines() if line.startswith("done | ")][-1]
     assert f"| gloo x{nproc} | {steps} steps | loss {loss_prefix}" in done, done
     assert float(parity) <= metrics["parity_tol"] and metrics["parity_max_abs_diff"] <= 1e-5
+
+
+def test_every_lab_refuses_a_non_finite_number_before_any_process_group():
+    """The shared validation, in every lab: NaN passes every "> 0" check, and used to surface
+    as a traceback from AdamW on every rank after the process group started."""
+    procs = run_all([[PYTHON, str(lab), "--lr", "nan"] for lab in LAB_PATHS], timeout=120)
+    for lab, proc in zip(LAB_PATHS, procs):
+        assert proc.returncode == 2 and proc.stdout == "", (lab.name, proc.stdout, proc.stderr)
+        assert proc.stderr.strip() == f"{lab.name}: error: --lr: must be a finite number, got nan"
 
 
 def test_course_runner_prints_the_summary_line_not_a_later_warning(tmp_path):

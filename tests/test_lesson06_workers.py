@@ -44,6 +44,18 @@ def test_ddp_all_reduces_and_fsdp_gathers_and_reduces(traces):
             assert any("reduce" in n for n in comm), comm
 
 
+def test_the_order_facts_lesson_06_asserts(traces):
+    """At any width and on any load: DDP issues all-reduces during backward, FSDP2's default
+    gathers each block only when it is about to run, and the async variant gathers the next
+    block while the current one computes."""
+    for rank in traces:
+        during, issued = perf_workers.allreduces_issued_during_backward(rank["ddp"])
+        assert issued >= 1 and during == issued - 1, (during, issued)
+        assert perf_workers.allreduces_issued_during_backward(rank["fsdp"]) == (0, 0)
+        assert perf_workers.prefetched_in_forward(rank["fsdp"], 2) == [False]
+        assert perf_workers.prefetched_in_forward(rank["fsdp-async"], 2) == [True]
+
+
 def test_the_private_async_unshard_switch_still_exists():
     """fsdp-async relies on FSDPModule._set_unshard_async_op (private, shown on purpose in the
     lesson): fail here, by name, if a torch upgrade removes it."""

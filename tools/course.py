@@ -5,6 +5,7 @@ CUDA + NCCL when every rank has a GPU, else CPU + gloo. Outputs go to build/cour
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -60,7 +61,7 @@ def run_lab(lab, nproc, timeout_s):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     (OUT / f"{lab.stem}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        print(proc.stdout[-3000:] + proc.stderr[-3000:])
+        print("FAILED\n" + proc.stdout[-3000:] + proc.stderr[-3000:])
         raise SystemExit(f"{lab.name} failed (exit {proc.returncode}); log: "
                          f"{OUT / (lab.stem + '.log')}")
     metrics = json.loads(metrics_path.read_text())
@@ -69,23 +70,76 @@ def run_lab(lab, nproc, timeout_s):
     return metrics
 
 
-def execute_lessons():
+# Lessons whose checks compare measured step times with a formula (the pipeline bubble, the
+# step-time model): they run after the others, alone, so that no other lesson shares the cores
+# with the steps they time. Every other lesson asserts counts, bytes, order and parity.
+RUN_ALONE = {"06_performance"}
+
+
+def execute_lessons(jobs):
+    """Execute each lesson that has no current executed notebook (the suite's nbval run
+    leaves one), `jobs` at a time, each in a process of its own. A lesson's kernel output
+    (its workers' logs and warnings) goes to build/course/lessons/NN_x.log, shown only if it
+    fails. A lesson waits on its own processes much of the time, so two at a time keep two
+    cores busy."""
     lessons = lesson_tools.lesson_paths()
-    for i, lesson in enumerate(lessons, 1):
-        cached = lesson_tools.cached_executed(lesson)
-        print(f"[lesson {i}/{len(lessons)}] {lesson.name}: "
-              f"{'up to date' if cached else 'executing...'}", flush=True)
-        if not cached:
-            t0 = time.perf_counter()
-            lesson_tools.execute(lesson, "make course")
-            print(f"    executed in {time.perf_counter() - t0:.0f} s", flush=True)
+    number = {lesson: i for i, lesson in enumerate(lessons, 1)}
+    to_run = []
+    for lesson in lessons:
+        if lesson_tools.cached_executed(lesson):
+            print(f"[lesson {number[lesson]}/{len(lessons)}] {lesson.name}: up to date "
+                  "(its executed notebook is reused)", flush=True)
+        else:
+            to_run.append(lesson)
+    together = [lesson for lesson in to_run if lesson.stem not in RUN_ALONE]
+    alone = [lesson for lesson in to_run if lesson.stem in RUN_ALONE]
+    if to_run:
+        print(f"[lessons] executing {len(to_run)}: {jobs} at a time"
+              + (f", then {', '.join(p.name for p in alone)} alone (it times steps against "
+                 "a formula)" if alone else ""), flush=True)
+    for batch, workers in ((together, jobs), (alone, 1)):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            runs = {pool.submit(execute_lesson, lesson): lesson for lesson in batch}
+            for run in concurrent.futures.as_completed(runs):
+                lesson = runs[run]
+                seconds, error = run.result()
+                status = f"{seconds:.0f} s" if error is None else f"FAILED after {seconds:.0f} s"
+                print(f"[lesson {number[lesson]}/{len(lessons)}] {lesson.name}: {status}",
+                      flush=True)
+                if error is not None:
+                    for pending in runs:
+                        pending.cancel()
+                    print(error, flush=True)
+                    raise SystemExit(f"{lesson.name} failed: open it in JupyterLab to run the "
+                                     "cell yourself")
     return lessons
 
 
+def execute_lesson(lesson):
+    """(seconds, None) once the lesson ran top to bottom, or (seconds, what failed)."""
+    log = OUT / "lessons" / (lesson.stem + ".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "lessons.py"), str(lesson),
+                           "--log", str(log), "--source", "make course"],
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode == 0:
+        return seconds, None
+    kernel_output = tail(log) if log.exists() else "(none)"
+    return seconds, (f"{proc.stdout}{proc.stderr}\n--- the kernel's own output, last lines "
+                     f"({log}):\n{kernel_output}")
+
+
+def tail(path, lines=40):
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
 def build_site_editions():
-    print("[site] mkdocs build --strict: English and 简体中文 (site/zh/), at the same time", flush=True)
+    print("[site] mkdocs build --strict, English and 简体中文 (site/zh/) at the same time ...",
+          end=" ", flush=True)
     seconds = site_builder.build(quiet=True)
-    print("    " + " | ".join(f"{lang} {s:.0f} s" for lang, s in seconds.items()), flush=True)
+    print(" | ".join(f"{lang} {s:.0f} s" for lang, s in seconds.items()), flush=True)
     return ROOT / "site" / "index.html"
 
 
@@ -125,6 +179,8 @@ def main():
                         help="ranks per lab (default: every GPU if >= 2, else 2 CPU processes)")
     parser.add_argument("--skip-site", action="store_true", help="labs and lessons only")
     parser.add_argument("--lab-timeout-s", type=int, default=600, help="limit per lab run")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="lessons executed at a time (default: 2, or 1 on one core)")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     nproc = args.nproc or default_world_size()
@@ -135,16 +191,22 @@ def main():
     for i, lab in enumerate(labs, 1):
         ranks = world_size_for(lab, nproc, on_gpus)
         print(f"[lab {i}/{len(labs)}] {lab.name}: torchrun x{ranks} --check-parity ...",
-              flush=True)
+              end=" ", flush=True)
         results.append(run_lab(lab, ranks, args.lab_timeout_s))
-        print(f"    {summary_of(OUT / (lab.stem + '.log'))}", flush=True)
+        print(f"{results[-1]['launch_wall_s']:.0f} s | {summary_of(OUT / (lab.stem + '.log'))}",
+              flush=True)
     (OUT / "summary.json").write_text(json.dumps(results, indent=2))
-    lessons = execute_lessons()
+    stage_s = {"labs": time.perf_counter() - t_start}
+    lessons = execute_lessons(max(1, args.jobs))
+    stage_s["lessons"] = time.perf_counter() - t_start - sum(stage_s.values())
     site = None if args.skip_site else build_site_editions()
+    if site is not None:
+        stage_s["site"] = time.perf_counter() - t_start - sum(stage_s.values())
     print("\n" + summary_table(results))
-    print(f"\n{len(labs)} labs, {len(lessons)} lessons executed"
-          f"{'' if site is None else f', site at {site.relative_to(ROOT)}'}"
-          f" | {time.perf_counter() - t_start:.0f} s in total")
+    print(f"\n{len(labs)} labs, {len(lessons)} lessons"
+          f"{'' if site is None else f', site at {site.relative_to(ROOT)}'} | "
+          + ", ".join(f"{stage} {s:.0f} s" for stage, s in stage_s.items())
+          + f" | {time.perf_counter() - t_start:.0f} s in total")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ One execution serves both the test run (nbval, see conftest.py) and the site bui
 hash of everything that can change its output, and reused only while that hash still matches.
 """
 
+import argparse
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import jupytext
@@ -89,18 +91,48 @@ def save_executed(lesson, notebook, source):
     return path
 
 
-def execute(lesson, source, timeout_s=900):
+def execute(lesson, source, timeout_s=900, log_path=None):
     """Execute a lesson top to bottom (cell timeout timeout_s); raise on the first error.
-    source names who ran it, for the page's stamp ("make course", "the site build")."""
+    source names who ran it, for the page's stamp ("make course", "the site build").
+
+    log_path: where the kernel's own stdout and stderr go (the lesson's worker processes
+    write there too: torch's C++ logs, warnings from ranks). The cells' outputs are in the
+    notebook either way; None leaves the kernel's streams on this process's."""
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
     notebook = nbformat.read(write_notebook(lesson), as_version=4)
     os.environ.setdefault("COURSE_ROOT", str(ROOT))
-    client = NotebookClient(notebook, timeout=timeout_s, kernel_name="python3",
+    # IPC (Unix sockets) instead of TCP on localhost: the kernel is this user's alone, and
+    # ipykernel warns, rightly, that an unencrypted TCP kernel is open to other local users.
+    config = Config({"KernelManager": {"transport": "ipc"}})
+    client = NotebookClient(notebook, timeout=timeout_s, kernel_name="python3", config=config,
                             resources={"metadata": {"path": str(LESSONS)}})
-    client.execute()
+    if log_path is None:
+        client.execute()
+    else:
+        with open(log_path, "w") as log:
+            client.execute(stdout=log, stderr=log)
     return save_executed(lesson, notebook, source)
 
 
 def ensure_executed(lesson):
     return cached_executed(lesson) or execute(lesson, "the site build")
+
+
+def main():
+    """One lesson, executed in a process of its own: `make course` runs several at a time."""
+    parser = argparse.ArgumentParser(description="Execute one lesson into build/executed/.")
+    parser.add_argument("lesson", type=Path, help="lessons/NN_x.py")
+    parser.add_argument("--log", type=Path, required=True, help="the kernel's own output")
+    parser.add_argument("--source", default="make course", help="who ran it, for the stamp")
+    args = parser.parse_args()
+    try:
+        execute(args.lesson, args.source, log_path=args.log)
+    except Exception as exc:  # nbclient's CellExecutionError: the failing cell's traceback
+        print(exc, file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,7 @@
 
 import difflib
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -326,6 +327,8 @@ def runbook_nav_groups(lang="en"):
 
 def on_config(config):
     lang, say = site_i18n.language(config), site_i18n.words(config)
+    if lang == "zh":
+        quiet_jieba()
     docs = ROOT / "docs" if lang == "en" else site_i18n.ZH / "docs"
     lessons = [f"lessons/{p.stem}.ipynb" for p in lesson_tools.lesson_paths()]
     labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lesson_tools.lab_paths()]]
@@ -337,6 +340,14 @@ def on_config(config):
                   {say["Labs"]: labs}, {say["Runbooks"]: runbooks},
                   *([{say["Reference"]: reference}] if reference else [])]
     return config
+
+
+def quiet_jieba():
+    """The search plugin segments Chinese with jieba, which logs its dictionary loading at
+    DEBUG level to stderr ("Building prefix dict ..."): progress noise in every build."""
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)
 
 
 def on_template_context(context, template_name, config):
