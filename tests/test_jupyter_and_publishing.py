@@ -1,8 +1,7 @@
 """Lessons open in a real Jupyter server as notebooks, and the publishing workflow is sound.
 
-The Jupyter test starts `jupyter server` (the backend JupyterLab talks to) from the project
-environment and asks its contents API for every lesson `.py` as a notebook, as JupyterLab does
-when you open one: Jupytext's contents manager must turn the py:percent file into cells.
+The Jupyter test starts the README's `jupyter lab lessons/` from the project environment and
+asks its contents API for every lesson `.py` as a notebook, as JupyterLab does when you open one: Jupytext's contents manager must turn the py:percent file into cells.
 """
 
 import json
@@ -28,11 +27,12 @@ def jupyter(tmp_path_factory):
     runtime = tmp_path_factory.mktemp("jupyter-runtime")
     log = (runtime / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "server", "--no-browser", f"--port={port}",
+        [sys.executable, "-m", "jupyter", "lab", "lessons/", "--no-browser", f"--port={port}",
          "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={TOKEN}",
-         f"--ServerApp.root_dir={REPO}", "--ServerApp.port_retries=0",
+         "--ServerApp.port_retries=0",
          *(["--allow-root"] if os.geteuid() == 0 else [])],  # CI containers run as root
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JUPYTER_RUNTIME_DIR": str(runtime)})
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO,  # the README's `jupyter lab lessons/`
+        env={**os.environ, "JUPYTER_RUNTIME_DIR": str(runtime)})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:
@@ -58,7 +58,7 @@ def get(url):
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.name)
 def test_jupyter_opens_each_lesson_as_a_notebook(jupyter, lesson):
-    model = get(f"{jupyter}/api/contents/lessons/{lesson.name}?type=notebook&content=1")
+    model = get(f"{jupyter}/api/contents/{lesson.name}?type=notebook&content=1")
     assert model["type"] == "notebook", model["type"]
     cells = model["content"]["cells"]
     code = [c for c in cells if c["cell_type"] == "code"]

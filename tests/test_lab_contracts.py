@@ -38,7 +38,8 @@ def test_docstring_expected_last_line_matches_a_run(lab_path, tmp_path):
 def test_every_lab_refuses_a_non_finite_number_before_any_process_group():
     """The shared validation, in every lab: NaN passes every "> 0" check, and used to surface
     as a traceback from AdamW on every rank after the process group started."""
-    procs = run_all([[PYTHON, str(lab), "--lr", "nan"] for lab in LAB_PATHS], timeout=120)
+    procs = run_all([[PYTHON, str(lab), "--lr", "nan"] for lab in LAB_PATHS], timeout=120,
+                    envs=[{"WORLD_SIZE": str(expected_line(lab)[0])} for lab in LAB_PATHS])
     for lab, proc in zip(LAB_PATHS, procs):
         assert proc.returncode == 2 and proc.stdout == "", (lab.name, proc.stdout, proc.stderr)
         assert proc.stderr.strip() == f"{lab.name}: error: --lr: must be a finite number, got nan"

@@ -4,17 +4,16 @@ in a real headless browser with the lessons' executed outputs and plots.
 Runs after the lessons (testpaths order), so the build reuses the notebooks nbval just executed.
 """
 
-import functools
 import html
 import html.parser
-import http.server
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import threading
+import time
+import urllib.request
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -24,14 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """Both editions, as `make site` builds them: English here, the Chinese one in zh/."""
-    out = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "tools/build_site.py", "--out", str(out)],
+def site():
+    """Both editions, built by the README's `make site`: English in site/, Chinese in site/zh/."""
+    proc = subprocess.run(["make", "--no-print-directory", "site", f"PY={sys.executable}"],
                           cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     print(f"site build: {proc.stdout.strip()}")  # the build time of each language
-    return out
+    return REPO / "site"
 
 
 class LinkCollector(html.parser.HTMLParser):
@@ -323,17 +321,27 @@ def chromium_path():
 
 @pytest.fixture(scope="module")
 def served_site(site):
-    handler = functools.partial(QuietHandler, directory=str(site))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    """The README's `python -m http.server -d site`, on a free port of 127.0.0.1."""
+    from launcher import free_port
 
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "-d", str(site), "--bind",
+                               "127.0.0.1", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"python -m http.server did not serve {url} within 60 s")
+            time.sleep(0.2)
+    yield url
+    server.terminate()
+    server.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
