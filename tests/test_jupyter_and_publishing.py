@@ -1,7 +1,8 @@
 """Lessons open in a real Jupyter server as notebooks, and the publishing workflow is sound.
 
 The Jupyter test starts the README's `jupyter lab lessons/` from the project environment and
-asks its contents API for every lesson `.py` as a notebook, as JupyterLab does when you open one: Jupytext's contents manager must turn the py:percent file into cells.
+asks its contents API for every lesson `.py` as a notebook, as JupyterLab does when you open
+one: Jupytext's contents manager must turn the py:percent file into cells.
 """
 
 import json
