@@ -34,8 +34,9 @@ def make_batch(batch_size, seed=1):
 def gpipe_by_hand(rank, world_size, batch_size, num_microbatches):
     """One training step of a 2-stage GPipe pipeline. Returns this rank's parameter gradients,
     the loss (rank 1) and when each forward / backward computed, as (kind, mb, start, end) in
-    seconds on a clock both ranks share: they leave a barrier together and start it there. A
-    start is stamped after the receive it waits on, so waiting shows as a gap, not as work."""
+    seconds on a clock both ranks share: the machine's monotonic clock, from the earlier of the
+    two ranks' starts. A start is stamped after the receive it waits on, so waiting shows as a
+    gap, not as work, and a stage never starts a microbatch before its sender finished it."""
     assert world_size == 2, "this demo has exactly two stages"
     first, second = build_halves()
     module = first if rank == 0 else second
@@ -48,8 +49,12 @@ def gpipe_by_hand(rank, world_size, batch_size, num_microbatches):
     warm_output = module(warm_input)
     warm_output.backward(torch.ones_like(warm_output))  # the same kind of call as below
     module.zero_grad(set_to_none=True)
-    dist.barrier()  # both ranks leave it within a fraction of a millisecond: a common t = 0
-    t0 = time.perf_counter()
+    # perf_counter is CLOCK_MONOTONIC, one clock for every process on this machine: t = 0 is
+    # the earlier rank's start, whatever delay a busy machine puts between the two.
+    dist.barrier()
+    t0 = torch.tensor([time.perf_counter()], dtype=torch.float64)
+    dist.all_reduce(t0, op=dist.ReduceOp.MIN)
+    t0 = t0.item()
     for mb in range(num_microbatches):  # forward of every microbatch
         if rank == 0:
             start = time.perf_counter() - t0

@@ -187,20 +187,23 @@ def test_make_gpu_check_without_a_gpu_says_so():
 
 def test_a_pip_mirror_reaches_the_pip_make_uses(tmp_path):
     """The README's two ways to point pip at a mirror, seen by `$(PY) -m pip`, the pip that
-    `make` runs (the Makefile passes no index option of its own)."""
-    config = tmp_path / "pip.conf"
-    env = {**os.environ, "PIP_CONFIG_FILE": str(config)}
+    `make` runs (the Makefile passes no index option of its own). `pip config set` writes the
+    user's pip.conf: here a scratch home's, never the real one."""
+    home = tmp_path / "home"
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")}
+    env.pop("PIP_CONFIG_FILE", None)
     set_it = subprocess.run([PYTHON, "-m", "pip", "config", "set", "global.index-url",
                              "https://mirror.example/simple"], env=env, capture_output=True,
                             text=True, timeout=60)
     assert set_it.returncode == 0, set_it.stderr
+    assert "mirror.example" in (home / ".config" / "pip" / "pip.conf").read_text()
     listed = subprocess.run([PYTHON, "-m", "pip", "config", "list"], env=env,
                             capture_output=True, text=True, timeout=60).stdout
     assert "global.index-url='https://mirror.example/simple'" in listed
     exported = subprocess.run(
         ["bash", "-c", "export PIP_INDEX_URL=https://mirror.example/simple && "
                        f"{PYTHON} -m pip config list"],
-        capture_output=True, text=True, timeout=60).stdout
+        capture_output=True, text=True, timeout=60, env={**env, "HOME": str(tmp_path)}).stdout
     assert ":env:.index-url='https://mirror.example/simple'" in exported
     makefile = (REPO / "Makefile").read_text()
     assert "$(PY) -m pip install" in makefile and "index-url" not in makefile
