@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import jupytext
@@ -105,14 +106,17 @@ def execute(lesson, source, timeout_s=900, log_path=None):
     os.environ.setdefault("COURSE_ROOT", str(ROOT))
     # IPC (Unix sockets) instead of TCP on localhost: the kernel is this user's alone, and
     # ipykernel warns, rightly, that an unencrypted TCP kernel is open to other local users.
-    config = Config({"KernelManager": {"transport": "ipc"}})
-    client = NotebookClient(notebook, timeout=timeout_s, kernel_name="python3", config=config,
-                            resources={"metadata": {"path": str(LESSONS)}})
-    if log_path is None:
-        client.execute()
-    else:
-        with open(log_path, "w") as log:
-            client.execute(stdout=log, stderr=log)
+    # The sockets' path must be absolute (the kernel starts in lessons/, the client here) and
+    # private (several lessons may run at once).
+    with tempfile.TemporaryDirectory(prefix="kernel-") as sockets:
+        config = Config({"KernelManager": {"transport": "ipc", "ip": f"{sockets}/ipc"}})
+        client = NotebookClient(notebook, timeout=timeout_s, kernel_name="python3",
+                                config=config, resources={"metadata": {"path": str(LESSONS)}})
+        if log_path is None:
+            client.execute()
+        else:
+            with open(log_path, "w") as log:
+                client.execute(stdout=log, stderr=log)
     return save_executed(lesson, notebook, source)
 
 
