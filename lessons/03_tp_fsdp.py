@@ -32,9 +32,7 @@
 
 # %%
 import inspect
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -49,7 +47,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 
 import lab03_tp_fsdp as lab  # noqa: E402  (importable: nothing runs at import)
 import tp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
-from spawn import run_workers  # noqa: E402
+from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
 # ## Why
@@ -272,28 +270,28 @@ assert "Mesh should not be bigger than default world size" in mistakes["mesh_too
 # parallel. Each run keeps the per-rank micro-batch at 4 sequences (`--batch-size 4 x dp`), so
 # the comparison isolates what TP divides. `--check-parity` trains the same batches in one process
 # and compares every parameter in fp32 (within 1e-5, see below); `--count-comms` measures step 1
-# with `CommDebugMode` and counts the bytes autograd saves for backward.
+# with `CommDebugMode` and counts the bytes autograd saves for backward. The first run starts
+# real torchrun, as you would; the others fork their ranks from a server that has already
+# imported torch (`launch_lab` in `lessons/spawn.py`): the same per-rank environment, and
+# about 10 s less start-up each on a 2-core laptop.
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson03-"))
-env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_lab(nproc, *args):
+def run_lab(nproc, *args, torchrun=False):
+    """torchrun --standalone --nproc-per-node nproc labs/lab03_tp_fsdp.py ARGS: real torchrun
+    with torchrun=True, else ranks forked as torchrun would start them (spawn.launch_lab)."""
     out = workdir / f"run-{len(list(workdir.iterdir()))}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), str(ROOT / "labs" / "lab03_tp_fsdp.py"), *map(str, args),
-           "--metrics-out", str(out)]
-    proc = subprocess.run(cmd, check=True, timeout=300, env=env, capture_output=True, text=True)
-    print(proc.stdout.strip().splitlines()[-1])
-    return json.loads(out.read_text())
+    return launch_lab(ROOT / "labs" / "lab03_tp_fsdp.py", nproc, args, out, torchrun=torchrun)
 
 
 runs = {}
 for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
     dp = 4 // tp
     runs[tp, sp] = run_lab(4, "--tp", tp, "--batch-size", 4 * dp, "--steps", 2, "--check-parity",
-                           "--count-comms", *(["--sequence-parallel"] if sp else []))
+                           "--count-comms", *(["--sequence-parallel"] if sp else []),
+                           torchrun=(tp, sp) == (1, False))  # the first, as you would run it
 assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
 
 # %% [markdown]

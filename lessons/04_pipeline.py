@@ -34,9 +34,7 @@
 # %%
 import argparse
 import inspect
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +48,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 
 import lab04_pipeline as lab  # noqa: E402  (the lab is importable: nothing runs at import)
 import pipeline_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
-from spawn import run_workers  # noqa: E402
+from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
 # ## Why
@@ -212,21 +210,20 @@ assert lab.stage_ids_for_rank(0, 2, loop_cfg) == [0, 2]
 # Two ranks, 4 layers, 4 microbatches per step. GPipe and 1F1B run one stage per rank (2
 # stages); the others run two stages per rank (4 stages). Each run checks parity with a
 # single-process run on the same batches: the loss of every step, every gradient of the first
-# step and every parameter after the last, all within 1e-5.
+# step and every parameter after the last, all within 1e-5. The first run starts real torchrun,
+# as you would; the others fork their ranks from a server that has already imported torch
+# (`launch_lab` in `lessons/spawn.py`), about 10 s less start-up each on a 2-core laptop.
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson04-"))
-env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_lab(nproc, *args):
+def run_lab(nproc, *args, torchrun=False):
+    """torchrun --standalone --nproc-per-node nproc labs/lab04_pipeline.py ARGS: real torchrun
+    with torchrun=True, else ranks forked as torchrun would start them (spawn.launch_lab)."""
     metrics_path = workdir / f"metrics-{len(list(workdir.iterdir()))}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), str(ROOT / "labs" / "lab04_pipeline.py"),
-           "--metrics-out", str(metrics_path), *args]
-    proc = subprocess.run(cmd, check=True, timeout=300, env=env, capture_output=True, text=True)
-    print(proc.stdout.strip().splitlines()[-1])
-    return json.loads(metrics_path.read_text())
+    return launch_lab(ROOT / "labs" / "lab04_pipeline.py", nproc, args, metrics_path,
+                      torchrun=torchrun)
 
 
 runs = {}
@@ -235,7 +232,7 @@ for name in lab.SCHEDULES:
         print(f"{name}: not in torch {lab.torch.__version__}")
         continue
     runs[name] = run_lab(2, "--schedule", name, "--microbatches", "4", "--steps", "8",
-                         "--check-parity")
+                         "--check-parity", torchrun=not runs)  # the first, as you would run it
 for name, m in runs.items():
     worst = max(m["parity_max_abs_diff"], m["grad_parity_max_abs_diff"],
                 m["loss_parity_max_abs_diff"])

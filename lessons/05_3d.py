@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 
 import lab05_3d as lab  # noqa: E402  (the lab is importable: nothing runs at import)
 import threed_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
-from spawn import run_workers  # noqa: E402
+from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
 # ## Three axes, three kinds of traffic
@@ -295,27 +295,25 @@ for rank in range(4):  # pp 0 ranks; rank + 4 holds the next stage at the same (
 # every layout is checked against one process, and the chained losses must continue the
 # uninterrupted run's. The checkpoint holds each tensor under the whole model's name
 # (`layers.3.attention.wq.weight`), with each shard's offsets, so any layout can read the
-# slices it needs.
+# slices it needs. The first run starts real torchrun, as you would; the three legs fork
+# their ranks from a server that has already imported torch (`launch_lab` in
+# `lessons/spawn.py`), about 20 s less start-up each for 8 ranks on a 2-core laptop.
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson05-"))
-env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_lab(nproc, *args):
+def run_lab(nproc, *args, torchrun=False):
+    """torchrun --standalone --nproc-per-node nproc labs/lab05_3d.py ARGS: real torchrun with
+    torchrun=True, else ranks forked as torchrun would start them (spawn.launch_lab)."""
     metrics_path = workdir / f"metrics-{len(list(workdir.glob('metrics-*')))}.json"
-    script = str(ROOT / "labs" / "lab05_3d.py")
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable])
-    cmd = [*launcher, script, "--metrics-out", str(metrics_path), *map(str, args)]
-    proc = subprocess.run(cmd, check=True, timeout=300, env=env, capture_output=True, text=True)
-    print(proc.stdout.strip().splitlines()[-1])
-    return json.loads(metrics_path.read_text())
+    return launch_lab(ROOT / "labs" / "lab05_3d.py", nproc, args, metrics_path,
+                      torchrun=torchrun)
 
 
 ckpt = workdir / "checkpoints"
 common = ["--steps", 12, "--log-every", 1, "--check-parity"]
-straight = run_lab(8, *common)
+straight = run_lab(8, *common, torchrun=True)  # as you would run it; the legs fork their ranks
 legs = [run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 4),
         run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 8,
                 "--pp", 1, "--dp", 2, "--tp", 4),

@@ -31,7 +31,7 @@
 #
 # Most lab runs below start as `torchrun --standalone --nproc-per-node 2` would (torchrun's
 # per-rank variables), but fork each rank from a server that has already imported torch
-# (`run_script` in `lessons/spawn.py`): a fresh torchrun spends about 10 s of a 2-core
+# (`launch_lab` in `lessons/spawn.py`): a fresh torchrun spends about 10 s of a 2-core
 # machine importing torch in three processes. The bubble runs, and the communication
 # benchmark inside `perf_model.py --check`, start real torchrun, as you would.
 
@@ -55,7 +55,7 @@ sys.path[:0] = [str(ROOT / "labs"), str(ROOT / "lessons")]
 
 import lab01_ddp as lab  # noqa: E402  (the shared model, data, FLOPs formula and peak)
 import perf_model  # noqa: E402  (the step-time model: its check, and a published run)
-from spawn import run_script  # noqa: E402  (lessons/spawn.py: torchrun's ranks, forked)
+from spawn import launch_lab  # noqa: E402  (lessons/spawn.py: torchrun's ranks, forked)
 
 torch.set_num_threads(1)  # what each lab rank uses (torchrun sets OMP_NUM_THREADS=1)
 
@@ -66,19 +66,11 @@ env = {**os.environ, "OMP_NUM_THREADS": "1"}
 def run_lab(script, nproc, *args, metrics_path=None, torchrun=False, extra_env=None):
     """`torchrun --standalone --nproc-per-node nproc labs/script ARGS --metrics-out PATH`.
     By default the ranks fork from spawn.py's server, which has imported torch once
-    (run_script): the same environment per rank, about 10 s less start-up per run.
+    (spawn.launch_lab): the same environment per rank, about 10 s less start-up per run.
     torchrun=True starts real torchrun; extra_env adds variables. Returns the lab's metrics."""
     metrics_path = metrics_path or workdir / f"metrics-{len(list(workdir.iterdir()))}.json"
-    args = [*map(str, args), "--metrics-out", str(metrics_path)]
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), str(ROOT / "labs" / script), *args]
-        out = subprocess.run(cmd, check=True, timeout=600, env={**env, **(extra_env or {})},
-                             capture_output=True, text=True).stdout
-    else:
-        out = run_script(ROOT / "labs" / script, nproc, args, env=extra_env)
-    print(out.strip().splitlines()[-1])
-    return json.loads(metrics_path.read_text())
+    return launch_lab(ROOT / "labs" / script, nproc, args, metrics_path, torchrun=torchrun,
+                      env=extra_env)
 
 # %% [markdown]
 # ## Where a step's time goes

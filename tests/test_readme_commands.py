@@ -115,9 +115,16 @@ COURSE_LINES = [
 ]
 
 
+# The lesson make course executes itself, whatever the suite left: the quickest one. The
+# others are reused from nbval's run when it passed, so both paths of the stage run.
+EXECUTED_BY_THE_COURSE = "08_expert_parallel"
+
+
 @pytest.fixture(scope="module")
 def make_course():
     """`make course` with this interpreter; the CompletedProcess, its wall time and its start."""
+    (REPO / "build" / "executed" / "lessons" / f"{EXECUTED_BY_THE_COURSE}.ipynb").unlink(
+        missing_ok=True)
     started = time.time()
     proc = subprocess.run(["make", "--no-print-directory", "course", f"PY={PYTHON}"], cwd=REPO,
                           capture_output=True, text=True, timeout=1800, env=quiet_env())
@@ -150,6 +157,19 @@ def test_make_course_summary_table_shows_parity_for_every_lab(make_course):
         assert metrics["parity_max_abs_diff"] <= metrics["parity_tol"] <= 1e-5, metrics["lab"]
         row = next(line for line in proc.stdout.splitlines() if line.startswith(metrics["lab"] + " "))
         assert f"{metrics['final_loss']:.4f}" in row and f"{metrics['parity_max_abs_diff']:.1e}" in row
+
+
+def test_make_course_executes_a_lesson_in_its_own_kernel(make_course):
+    """The lesson it had to execute ran through the runner's own path (a process per lesson,
+    a kernel over private IPC sockets, the kernel's output in a log), not nbval's."""
+    proc, _, started = make_course
+    line = next(line for line in proc.stdout.splitlines()
+                if f"] {EXECUTED_BY_THE_COURSE}.py: " in line)
+    assert re.search(r": \d+ s$", line), line
+    assert (REPO / "build" / "course" / "lessons" / f"{EXECUTED_BY_THE_COURSE}.log").exists()
+    executed = REPO / "build" / "executed" / "lessons" / f"{EXECUTED_BY_THE_COURSE}.ipynb"
+    assert executed.stat().st_mtime >= started
+    assert not list((REPO / "lessons").glob("kernel-ipc*")), "sockets left in lessons/"
 
 
 def test_make_course_builds_both_editions_and_keeps_the_lessons_it_ran(make_course):

@@ -327,8 +327,6 @@ def runbook_nav_groups(lang="en"):
 
 def on_config(config):
     lang, say = site_i18n.language(config), site_i18n.words(config)
-    if lang == "zh":
-        quiet_jieba()
     docs = ROOT / "docs" if lang == "en" else site_i18n.ZH / "docs"
     lessons = [f"lessons/{p.stem}.ipynb" for p in lesson_tools.lesson_paths()]
     labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lesson_tools.lab_paths()]]
@@ -342,9 +340,10 @@ def on_config(config):
     return config
 
 
-def quiet_jieba():
-    """The search plugin segments Chinese with jieba, which logs its dictionary loading at
-    DEBUG level to stderr ("Building prefix dict ..."): progress noise in every build."""
+def on_startup(command, dirty):
+    """Before any plugin loads its configuration: the search plugin segments Chinese with
+    jieba, which logs loading its dictionaries (the user dictionary too, while the plugin
+    reads its config) at DEBUG level to stderr, "Building prefix dict ...": noise."""
     import jieba
 
     jieba.setLogLevel(logging.WARNING)

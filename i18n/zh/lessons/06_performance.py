@@ -25,7 +25,7 @@
 #
 # 下面的每个数字都是在运行本 notebook 的机器上测得的（CI：2 个核）；标明为公开 GPU 结果的除外，那些是引用的，不是在这里测的。
 #
-# 下面大多数 lab 运行的启动方式与 `torchrun --standalone --nproc-per-node 2` 相同（torchrun 为每个 rank 设置的环境变量也一样），只是每个 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `run_script`）：在 2 核机器上，一次全新的 torchrun 要花约 10 s 在三个进程里导入 torch。流水线气泡的几次运行，以及 `perf_model.py --check` 内部的通信基准测试，启动的是真正的 torchrun，和你自己运行时一样。
+# 下面大多数 lab 运行的启动方式与 `torchrun --standalone --nproc-per-node 2` 相同（torchrun 为每个 rank 设置的环境变量也一样），只是每个 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`）：在 2 核机器上，一次全新的 torchrun 要花约 10 s 在三个进程里导入 torch。流水线气泡的几次运行，以及 `perf_model.py --check` 内部的通信基准测试，启动的是真正的 torchrun，和你自己运行时一样。
 
 # %%
 import argparse
@@ -47,7 +47,7 @@ sys.path[:0] = [str(ROOT / "labs"), str(ROOT / "lessons")]
 
 import lab01_ddp as lab  # noqa: E402  (the shared model, data, FLOPs formula and peak)
 import perf_model  # noqa: E402  (the step-time model: its check, and a published run)
-from spawn import run_script  # noqa: E402  (lessons/spawn.py: torchrun's ranks, forked)
+from spawn import launch_lab  # noqa: E402  (lessons/spawn.py: torchrun's ranks, forked)
 
 torch.set_num_threads(1)  # what each lab rank uses (torchrun sets OMP_NUM_THREADS=1)
 
@@ -58,19 +58,11 @@ env = {**os.environ, "OMP_NUM_THREADS": "1"}
 def run_lab(script, nproc, *args, metrics_path=None, torchrun=False, extra_env=None):
     """`torchrun --standalone --nproc-per-node nproc labs/script ARGS --metrics-out PATH`.
     By default the ranks fork from spawn.py's server, which has imported torch once
-    (run_script): the same environment per rank, about 10 s less start-up per run.
+    (spawn.launch_lab): the same environment per rank, about 10 s less start-up per run.
     torchrun=True starts real torchrun; extra_env adds variables. Returns the lab's metrics."""
     metrics_path = metrics_path or workdir / f"metrics-{len(list(workdir.iterdir()))}.json"
-    args = [*map(str, args), "--metrics-out", str(metrics_path)]
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), str(ROOT / "labs" / script), *args]
-        out = subprocess.run(cmd, check=True, timeout=600, env={**env, **(extra_env or {})},
-                             capture_output=True, text=True).stdout
-    else:
-        out = run_script(ROOT / "labs" / script, nproc, args, env=extra_env)
-    print(out.strip().splitlines()[-1])
-    return json.loads(metrics_path.read_text())
+    return launch_lab(ROOT / "labs" / script, nproc, args, metrics_path, torchrun=torchrun,
+                      env=extra_env)
 
 # %% [markdown]
 # ## 一步的时间花在哪里
