@@ -32,7 +32,6 @@
 # %%
 import argparse
 import inspect
-import json
 import os
 import re
 import subprocess

@@ -246,11 +246,12 @@ plt.show()
 #   (asserted: `prefetched_in_forward`), and part of gloo's time runs during compute (the
 #   share printed above). Whether the step gets shorter is a separate question: each rank
 #   has one core, which gloo's thread and the matmuls share, so overlap saves only the time
-#   gloo spends waiting for its peer, not the time it spends copying and reducing. Between runs on this VM, the one profiled step of
-#   async FSDP2 has come out anywhere from no faster than the blocking one (599 against 602 ms)
-#   to nearly twice as fast (1,116 against 2,045 ms, a run where waiting dominated); the
-#   figures printed above are this run's. Overlap pays reliably where communication has its
-#   own engine, as a GPU's copy engines and NICs are.
+#   gloo spends waiting for its peer, not the time it spends copying and reducing. Between
+#   runs on this VM, the one profiled step of async FSDP2 has come out anywhere from no
+#   faster than the blocking one (599 against 602 ms) to nearly twice as fast (1,116 against
+#   2,045 ms, a run where waiting dominated); the figures printed above are this run's.
+#   Overlap pays reliably where communication has its own engine, as a GPU's copy engines and
+#   NICs are.
 
 # %% [markdown]
 # ## torch.compile with FSDP2, end to end

@@ -44,6 +44,9 @@ def build(strategy, dim, num_layers):
     return cfg, model
 
 
+MARKERS = ("c10d::", "FSDP::", "autograd::engine::evaluate_function:")
+
+
 def intervals(prof):
     """(kind, name, start_s, end_s): "compute" (aten ops on the training thread), "comm"
     (gloo's collectives, on gloo's threads) and "marker" (what the training thread did in
@@ -65,9 +68,6 @@ def intervals(prof):
         elif e.name.startswith(MARKERS):
             out.append(("marker", e.name, start, end))
     return out
-
-
-MARKERS = ("c10d::", "FSDP::", "autograd::engine::evaluate_function:")
 
 
 def profiled_steps(rank, world_size, strategies, dim, num_layers=4):

@@ -33,9 +33,12 @@ README_COMMANDS = {
     "make site": "test_site.py::test_no_broken_internal_links_or_anchors",
     "make lean": "test_lean.py::test_make_lean_writes_every_lab",
     "make gpu-check": "test_make_gpu_check_without_a_gpu_says_so",
-    "python -m http.server -d site": "test_site.py::test_browser_renders_home_and_navigates_to_a_lesson",
-    "pip config set global.index-url https://<your-mirror>/simple": "test_a_pip_mirror_reaches_the_pip_make_uses",
-    "export PIP_INDEX_URL=https://<your-mirror>/simple": "test_a_pip_mirror_reaches_the_pip_make_uses",
+    "python -m http.server -d site":
+        "test_site.py::test_browser_renders_home_and_navigates_to_a_lesson",
+    "pip config set global.index-url https://<your-mirror>/simple":
+        "test_a_pip_mirror_reaches_the_pip_make_uses",
+    "export PIP_INDEX_URL=https://<your-mirror>/simple":
+        "test_a_pip_mirror_reaches_the_pip_make_uses",
     "python labs/lab01_ddp.py": "test_lab01_alone_and_under_torchrun_print_the_readme_lines",
     "torchrun --standalone --nproc-per-node 2 labs/lab01_ddp.py --check-parity":
         "test_lab01_alone_and_under_torchrun_print_the_readme_lines",
@@ -45,7 +48,8 @@ README_COMMANDS = {
         "test_multinode.py::test_two_agents_match_one_agent",
     "python labs/lab02_fsdp.py --plan --model 8b --nproc 8 --gpu H100-80GB":
         "test_the_readme_plan_command",
-    ".venv/bin/jupyter lab lessons/": "test_jupyter_and_publishing.py::test_jupyter_opens_each_lesson_as_a_notebook",
+    ".venv/bin/jupyter lab lessons/":
+        "test_jupyter_and_publishing.py::test_jupyter_opens_each_lesson_as_a_notebook",
     "python tools/i18n.py status": "test_the_i18n_commands",
     "python tools/i18n.py check i18n/zh/<path>": "test_the_i18n_commands",
     "python tools/i18n.py stamp i18n/zh/<path>": "test_the_i18n_commands",
@@ -146,7 +150,8 @@ def test_make_course_runs_every_stage_quietly(make_course):
     for lesson in lessons:
         assert sum(line.startswith("[lesson ") and f" {lesson.name}: " in line
                    for line in lines) == 1, lesson.name
-    assert lines[-1].startswith(f"{len(labs)} labs, {len(lessons)} lessons, site at site/index.html")
+    summary = f"{len(labs)} labs, {len(lessons)} lessons, site at site/index.html"
+    assert lines[-1].startswith(summary), lines[-1]
     # The README's budget. Here the lessons nbval has executed are reused, so this bounds the
     # labs, the site and what the runner itself adds; the clean-clone figure (every lesson
     # executed too) is measured and stated in the README.
@@ -159,8 +164,10 @@ def test_make_course_summary_table_shows_parity_for_every_lab(make_course):
     assert [m["lab"] for m in summary] == [p.stem for p in sorted(LABS.glob("lab[0-9][0-9]_*.py"))]
     for metrics in summary:
         assert metrics["parity_max_abs_diff"] <= metrics["parity_tol"] <= 1e-5, metrics["lab"]
-        row = next(line for line in proc.stdout.splitlines() if line.startswith(metrics["lab"] + " "))
-        assert f"{metrics['final_loss']:.4f}" in row and f"{metrics['parity_max_abs_diff']:.1e}" in row
+        row = next(line for line in proc.stdout.splitlines()
+                   if line.startswith(metrics["lab"] + " "))
+        assert f"{metrics['final_loss']:.4f}" in row, row
+        assert f"{metrics['parity_max_abs_diff']:.1e}" in row, row
 
 
 def test_make_course_executes_a_lesson_in_its_own_kernel(make_course):

@@ -197,11 +197,14 @@ def main():
               flush=True)
     (OUT / "summary.json").write_text(json.dumps(results, indent=2))
     stage_s = {"labs": time.perf_counter() - t_start}
+    t_lessons = time.perf_counter()
     lessons = execute_lessons(max(1, args.jobs))
-    stage_s["lessons"] = time.perf_counter() - t_start - sum(stage_s.values())
-    site = None if args.skip_site else build_site_editions()
-    if site is not None:
-        stage_s["site"] = time.perf_counter() - t_start - sum(stage_s.values())
+    stage_s["lessons"] = time.perf_counter() - t_lessons
+    site = None
+    if not args.skip_site:
+        t_site = time.perf_counter()
+        site = build_site_editions()
+        stage_s["site"] = time.perf_counter() - t_site
     print("\n" + summary_table(results))
     print(f"\n{len(labs)} labs, {len(lessons)} lessons"
           f"{'' if site is None else f', site at {site.relative_to(ROOT)}'} | "

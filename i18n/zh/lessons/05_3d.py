@@ -28,7 +28,6 @@
 # %%
 import argparse
 import inspect
-import json
 import os
 import re
 import subprocess
