@@ -17,6 +17,7 @@ from nbval.plugin import IPyNbFile
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "labs"))  # the labs import their kit, labkit/
 os.environ["COURSE_ROOT"] = str(ROOT)
 
 import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)

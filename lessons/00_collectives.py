@@ -37,7 +37,6 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
 sys.path.insert(0, str(ROOT / "lessons"))
 
-import importlib.util
 import inspect
 import tempfile
 
@@ -125,13 +124,13 @@ assert len({v["env"]["MASTER_PORT"] for v in views}) == 1    # one address for a
 # kernels over NVLink, PCIe or InfiniBand; gloo runs them on CPU tensors over TCP. The API is
 # the same, which is why every lab in this course is one file for both. The labs pick with
 # one rule: CUDA + NCCL when every local rank has its own GPU, else CPU + gloo. This is the
-# code in `labs/lab01_ddp.py` that does it (printed from the file, so it is the code that runs):
+# code that does it, `pick_device_type` from the labs' kit (`labs/labkit/runtime.py`) and
+# `init_distributed` from `labs/lab01_ddp.py` (printed from the files, so it is the code that runs):
 
 # %%
-spec = importlib.util.spec_from_file_location("lab01_ddp", ROOT / "labs" / "lab01_ddp.py")
-lab01 = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(lab01)          # defines functions only: nothing runs at import
-print(inspect.getsource(lab01.pick_device_type))
+sys.path.insert(0, str(ROOT / "labs"))
+import lab01_ddp as lab01  # noqa: E402  defines functions only: nothing runs at import
+print(inspect.getsource(lab01.pick_device_type))  # from its kit, labs/labkit/runtime.py
 print(inspect.getsource(lab01.init_distributed))
 assert '"nccl"' in inspect.getsource(lab01.init_distributed)
 assert '"gloo"' in inspect.getsource(lab01.init_distributed)

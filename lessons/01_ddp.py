@@ -239,7 +239,9 @@ assert no_sync["allreduce_calls_per_step"] * 4 == synced["allreduce_calls_per_st
 #
 # ## Run the lab
 #
-# `labs/lab01_ddp.py` is the complete, copyable version: the model, data, checkpoints, logging.
+# `labs/lab01_ddp.py` is the copyable version: DDP written out in the order it happens (the process
+# group, the sampler, the wrap, `no_sync`, rank-0 checkpoints), on the lab kit beside it
+# (`labs/labkit/`: model, data, the loop and its log, metrics, the parity reference).
 # Run it on two processes with `--check-parity`: after training, rank 0 retrains in a single
 # process on the same global batches and compares every parameter.
 

@@ -53,7 +53,9 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
 sys.path[:0] = [str(ROOT / "labs"), str(ROOT / "lessons")]
 
-import lab01_ddp as lab  # noqa: E402  (the shared model, data, FLOPs formula and peak)
+import lab01_ddp as lab  # noqa: E402  (the lab that lesson 06 profiles)
+from labkit.metrics import measure_matmul_peak  # noqa: E402  (the labs' kit: the CPU's peak)
+from labkit.model import MODEL_PRESETS, flops_per_token, parameter_shapes  # noqa: E402
 import perf_model  # noqa: E402  (the step-time model: its check, and a published run)
 from spawn import launch_lab  # noqa: E402  (lessons/spawn.py: torchrun's ranks, forked)
 
@@ -82,7 +84,7 @@ def run_lab(script, nproc, *args, metrics_path=None, torchrun=False, extra_env=N
 # does.
 
 # %%
-peak = lab.measure_matmul_peak(torch.device("cpu"), torch.float32, seconds=0.2, bursts=5)
+peak = measure_matmul_peak(torch.device("cpu"), torch.float32, seconds=0.2, bursts=5)
 print(f"matmul peak on 1 thread: {peak / 1e9:.1f} GFLOP/s")
 assert peak > 1e9
 
@@ -112,7 +114,7 @@ def train_steps(dim, steps=4, seq_len=32, batch=8):
     for _ in range(steps):
         step()
     seconds = (time.perf_counter() - t0) / steps
-    flops = lab.flops_per_token(cfg, seq_len) * batch * seq_len
+    flops = flops_per_token(cfg, seq_len) * batch * seq_len
     return {"dim": dim, "step_s": seconds, "flops": flops, "mfu": flops / seconds / peak}
 
 
@@ -333,7 +335,7 @@ def flops_per_microbatch(flops_per_token, batch_size, seq_len, microbatches):
 
 # Lesson 04's runs: lab04's defaults, the debug model with 4 layers, 16 sequences in 4 microbatches.
 debug = lab.parse_config(["--num-layers", "4"])
-light = flops_per_microbatch(lab.flops_per_token(debug, debug.seq_len), 16, debug.seq_len, 4)
+light = flops_per_microbatch(flops_per_token(debug, debug.seq_len), 16, debug.seq_len, 4)
 heavy_config = heavy_runs["GPipe"]["config"]
 heavy = flops_per_microbatch(heavy_runs["GPipe"]["flops_per_token"], heavy_config["batch_size"],
                              heavy_config["seq_len"], heavy_config["microbatches"])
@@ -448,9 +450,9 @@ assert ratio[("lab01_ddp", 1024)] <= 2.0, ratio
 # The model, with the datasheet's 989 TFLOP/s bf16 and NVLink's 450 GB/s each way:
 
 # %%
-llama_8b = argparse.Namespace(**lab.MODEL_PRESETS["8b"])
-num_params = sum(math.prod(shape) for shape in lab.parameter_shapes(llama_8b).values())
-flop_per_token = lab.flops_per_token(llama_8b, 8192)
+llama_8b = argparse.Namespace(**MODEL_PRESETS["8b"])
+num_params = sum(math.prod(shape) for shape in parameter_shapes(llama_8b).values())
+flop_per_token = flops_per_token(llama_8b, 8192)
 predicted = perf_model.datasheet_tokens_per_s("fsdp", num_params, flop_per_token,
                                               tokens_per_gpu=2 * 8192, world_size=8,
                                               peak_flops=989e12, link_bytes_per_s=450e9)

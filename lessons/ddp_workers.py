@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "labs"))
 import lab01_ddp as lab  # noqa: E402
+from labkit.data import SyntheticSequences  # noqa: E402
 
 LAB_DEFAULTS = lab.parse_config([])  # the lab's default model and data sizes
 
@@ -27,7 +28,7 @@ def _model():
 
 
 def _global_batch(size=16):
-    data = lab.SyntheticSequences(size, LAB_DEFAULTS.seq_len, LAB_DEFAULTS.vocab_size, seed=0)
+    data = SyntheticSequences(size, LAB_DEFAULTS.seq_len, LAB_DEFAULTS.vocab_size, seed=0)
     inputs, targets = zip(*(data[i] for i in range(size)))
     return torch.stack(inputs), torch.stack(targets)
 

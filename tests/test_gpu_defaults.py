@@ -1,7 +1,8 @@
 """The labs' CUDA choices, tested on CPU: the decision logic driven by faked device
 capabilities, and the loop's promise that it reads device values only at sync points.
 
-What the choices are (labs/*.py, shared regions setup and loop):
+What the choices are (labs/labkit/runtime.py and loop.py; the labs not yet on the kit carry
+their own copies, in the shared regions setup and loop):
 - precision: bf16 on a GPU that has it, fp16 + GradScaler on one that does not, fp32 on CPU;
 - FSDP gathers in that dtype (MixedPrecisionPolicy), not fp32 under autocast;
 - batches copied with non_blocking come from a pinned DataLoader on CUDA;
@@ -16,6 +17,8 @@ import signal
 import pytest
 import torch
 
+import labkit.data
+import labkit.runtime
 from launcher import LABS, load_script
 
 LAB_PATHS = sorted(LABS.glob("lab[0-9][0-9]_*.py"))
@@ -35,19 +38,21 @@ def labs():
     ("fp16", "cuda", True, torch.float16),
 ])
 def test_precision_follows_the_device(labs, requested, device_type, has_bf16, expected):
-    for lab in labs.values():
-        assert lab.choose_precision(requested, device_type, has_bf16) is expected
+    choosers = {labkit.runtime.choose_precision}
+    choosers |= {lab.choose_precision for lab in labs.values() if hasattr(lab, "choose_precision")}
+    for choose_precision in choosers:
+        assert choose_precision(requested, device_type, has_bf16) is expected
 
 
 def test_a_gpu_without_bf16_gets_fp16_and_a_live_grad_scaler(labs, monkeypatch):
-    lab = labs["lab01_ddp"]
-    monkeypatch.setattr(lab, "cuda_has_bf16", lambda: False)  # a V100, faked
-    cfg = lab.parse_config([])
-    dtype = lab.compute_dtype(cfg, "cuda")
-    assert dtype is torch.float16 and lab.precision_name(dtype) == "fp16 + GradScaler"
-    assert lab.make_grad_scaler(dtype, torch.device("cpu")).is_enabled()
-    assert not lab.make_grad_scaler(torch.bfloat16, torch.device("cpu")).is_enabled()
-    assert not lab.make_grad_scaler(None, torch.device("cpu")).is_enabled()
+    kit = labkit.runtime
+    monkeypatch.setattr(kit, "cuda_has_bf16", lambda: False)  # a V100, faked
+    cfg = labs["lab01_ddp"].parse_config([])
+    dtype = kit.compute_dtype(cfg, "cuda")
+    assert dtype is torch.float16 and kit.precision_name(dtype) == "fp16 + GradScaler"
+    assert kit.make_grad_scaler(dtype, torch.device("cpu")).is_enabled()
+    assert not kit.make_grad_scaler(torch.bfloat16, torch.device("cpu")).is_enabled()
+    assert not kit.make_grad_scaler(None, torch.device("cpu")).is_enabled()
 
 
 def test_fsdp_gathers_in_the_compute_dtype_by_default_on_cuda(labs, monkeypatch):
@@ -81,14 +86,15 @@ def test_batches_are_pinned_on_cuda(lab_path, labs, monkeypatch):
                      train), \
         "train() must ask for pinned batches on CUDA"
     lab = labs[lab_path.stem]
+    loader_home = lab if hasattr(lab, "DataLoader") else labkit.data  # a lab on the kit
     seen = {}
 
-    class Recording(lab.DataLoader):
+    class Recording(loader_home.DataLoader):
         def __init__(self, *args, **kwargs):
             seen.update(kwargs)
             super().__init__(*args, **{**kwargs, "pin_memory": False})  # no CUDA here
 
-    monkeypatch.setattr(lab, "DataLoader", Recording)
+    monkeypatch.setattr(loader_home, "DataLoader", Recording)
     monkeypatch.setenv("WORLD_SIZE", "2")  # the pipeline lab needs two stages
     next(lab.micro_batches(lab.parse_config([]), 0, 1, 0, pin_memory=True))
     assert seen["pin_memory"] is True

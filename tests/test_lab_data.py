@@ -9,6 +9,7 @@ import subprocess
 import pytest
 import torch
 
+from labkit.data import TokenWindows, dataset_length
 from launcher import LABS, PYTHON, REPO, load_script, run_lab
 
 LOSS_BOUND = 0.5  # ln(256) = 5.55 at the start; the debug model gets below 0.2 in 40 steps
@@ -57,7 +58,7 @@ def test_resume_on_a_text_file_is_bit_identical(tmp_path):
 def test_windows_are_shuffled_differently_each_epoch(lab01, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt", lines=20)
     cfg = lab01.parse_config(["--data", str(corpus), "--micro-batch-size", "1"])
-    per_epoch = lab01.dataset_length(cfg)  # one window per batch: an epoch uses them all
+    per_epoch = dataset_length(cfg)  # one window per batch: an epoch uses them all
     batches = lab01.micro_batches(cfg, 0, 1, 0)
     epochs = [[next(batches)[0] for _ in range(per_epoch)] for _ in range(2)]
     first, second = (torch.cat(e) for e in epochs)
@@ -70,7 +71,7 @@ def test_binary_token_files_are_memory_mapped_by_dtype(lab01, tmp_path, dtype, t
     tokens = [(7 * i) % top for i in range(5000)] + [top - 1]
     path = write_tokens(tmp_path / "train.bin", tokens, typecode)
     cfg = lab01.parse_config(["--data", str(path), "--data-dtype", dtype, "--vocab-size", str(top)])
-    dataset = lab01.TokenWindows(cfg.data, cfg.seq_len, cfg.data_dtype)
+    dataset = TokenWindows(cfg.data, cfg.seq_len, cfg.data_dtype)
     assert len(dataset) == (len(tokens) - 1) // cfg.seq_len
     inputs, targets = dataset[3]
     start = 3 * cfg.seq_len

@@ -1,7 +1,8 @@
 """Each lab's docstring ends with a "Use it in your project" block: what to replace, what to keep,
 and the pitfalls, tied to the runbooks. The lab file travels alone into a project, so the block
 must be right about that file: every function, class and flag it names exists there, every
-runbook it cites exists here, and the format is the one the site generator parses.
+runbook it cites exists here, and the format is the one the site generator parses. A lab travels
+with its kit (labs/labkit/), so a name may live in either.
 
 File-level only (no torchrun): it reads the lab sources as text.
 """
@@ -13,6 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LABS = sorted((REPO / "labs").glob("lab[0-9][0-9]_*.py"))
+KIT = "\n".join(p.read_text() for p in sorted((REPO / "labs" / "labkit").glob("*.py")))
 HEADER = "Use it in your project:"
 BULLETS = ("Replace", "Keep", "Pitfalls")
 MAX_LINES, MAX_COLUMNS = 14, 100
@@ -94,7 +96,7 @@ def check_guide(source):
         block, bullets = parse_guide(docstring(source))
     except ValueError as exc:
         return [str(exc)]
-    problems = reference_problems("\n".join(block), source)
+    problems = reference_problems("\n".join(block), source + "\n" + KIT)
     if not re.search(r"runbooks/[\w./-]+?\.md", bullets["Pitfalls"]):
         problems.append("Pitfalls cites no runbook")
     return problems

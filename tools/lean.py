@@ -126,7 +126,11 @@ def lean_source(source, lab_name):
 
 
 def lab_paths():
-    return sorted(LABS.glob("lab[0-9][0-9]_*.py"))
+    """The labs with teaching and drill code to strip; a lab on the kit (labs/labkit/) has none,
+    since its probes, parity reference and drills live in the kit."""
+    import lessons
+
+    return lessons.self_contained_lab_paths()
 
 
 def main(argv=None):

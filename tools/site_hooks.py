@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 from mkdocs.plugins import event_priority
@@ -98,6 +99,19 @@ LAB_PAGE_WORDS = {
         "labs_intro": "One torchrun script per lesson; each runs on CPU (gloo) and on GPUs "
                       "(NCCL) unchanged.",
         "labs_header": "| lab | what it teaches | command |",
+        "kit_source": "Source: `labs/{name}`, the technique in the order it happens, on the lab "
+                      "kit beside it, [`labs/labkit/`](labkit.md): copy both and run it "
+                      "anywhere with torch installed.",
+        "kit_full": "the lab, {lines} lines.",
+        "kit_zip": "the lab and the kit, ready to unpack into a project ({lines} lines of kit).",
+        "from_kit": "What it takes from the kit",
+        "from_kit_body": "Everything the lab uses but does not teach, by the kit module it "
+                         "comes from:",
+        "kit_title": "The lab kit",
+        "kit_intro": "Everything a lab uses but does not teach, written once: `labs/labkit/`, "
+                     "torch and the standard library only. A lab is copied together with this "
+                     "folder. One module per concern:",
+        "kit_line": "The labs on the kit import everything else from [the lab kit](labkit.md).",
     },
     "zh": {
         "source": "源码：`labs/{name}`（一个自包含的文件：复制到任何装有 torch 的地方即可运行）。",
@@ -120,6 +134,16 @@ LAB_PAGE_WORDS = {
         "labs_title": "实验",
         "labs_intro": "每课一个 torchrun 脚本；每个脚本在 CPU（gloo）和 GPU（NCCL）上不加修改即可运行。",
         "labs_header": "| 实验 | 教什么 | 命令 |",
+        "kit_source": "源码：`labs/{name}`，按发生顺序写出的技术本身，建立在旁边的实验工具包 "
+                      "[`labs/labkit/`](labkit.md) 之上：把两者一起复制到任何装有 torch 的地方即可运行。",
+        "kit_full": "实验本身，{lines} 行。",
+        "kit_zip": "实验加实验工具包，解压到项目中即可使用（工具包共 {lines} 行）。",
+        "from_kit": "它从实验工具包中用到什么",
+        "from_kit_body": "实验用到但不讲授的一切，按所在的工具包模块列出：",
+        "kit_title": "实验工具包",
+        "kit_intro": "实验用到但不讲授的一切，只写一次：`labs/labkit/`，只依赖 torch 和标准库。"
+                     "复制实验时连同这个文件夹一起复制。每个模块负责一件事：",
+        "kit_line": "建立在工具包上的实验，其余的一切都从[实验工具包](labkit.md)导入。",
     },
 }
 
@@ -131,8 +155,66 @@ def lab_docstring(lab, lang):
     return i18n.zh_path(lab).read_text().strip()
 
 
+KIT = ROOT / "labs" / "labkit"
+
+
+def kit_modules():
+    return sorted(p for p in KIT.glob("*.py") if p.name != "__init__.py")
+
+
+def lab_with_kit_zip(lab):
+    """The bytes of {stem}.zip: the lab and labkit/, as a project copies them."""
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.write(lab, f"{lab.stem}/{lab.name}")
+        for module in sorted(KIT.glob("*.py")):
+            archive.write(module, f"{lab.stem}/labkit/{module.name}")
+    return buffer.getvalue()
+
+
+def kit_imports(lab):
+    """{kit module: [names the lab imports from it]}, in the order the lab imports them."""
+    import ast
+
+    found = {}
+    for node in ast.parse(lab.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit."):
+            found.setdefault(node.module.split(".", 1)[1], []).extend(a.name for a in node.names)
+    return found
+
+
+def kit_section(lab, say):
+    rows = [f"- [`{module}`](labkit.md#{module}): " + ", ".join(f"`{n}`" for n in names)
+            for module, names in kit_imports(lab).items()]
+    return [f"## {say['from_kit']} {{#from-the-kit}}", "", say["from_kit_body"], "", *rows, ""]
+
+
+def kit_page(lang="en"):
+    say = LAB_PAGE_WORDS[lang]
+    lines = [f"# {say['kit_title']}", "", say["kit_intro"], "", "```text",
+             textwrap.dedent(docstring(KIT / "__init__.py").split("One module per concern:")[1])
+             .strip("\n"),
+             "```", ""]
+    for module in kit_modules():
+        first = docstring(module).split("\n\n")[0].replace("\n", " ")
+        lines += [f"## `labkit/{module.name}` {{#{module.stem}}}", "", first, "",
+                  "```python", f'--8<-- "labs/labkit/{module.name}"', "```", ""]
+    return "\n".join(lines)
+
+
 def downloads(lab, say):
-    """Markdown for the two files a reader can take: the full lab and its lean copy."""
+    """Markdown for the files a reader can take: the lab and its lean copy, or, for a lab on
+    the kit, the lab and a zip of the lab with the kit."""
+    if lesson_tools.on_kit(lab):
+        kit_lines = sum(len(p.read_text().splitlines()) for p in KIT.glob("*.py"))
+        return [f"## {say['download']} {{#download}}", "",
+                f"- [`{lab.name}`](../downloads/{lab.name}): "
+                + say["kit_full"].format(lines=len(lab.read_text().splitlines())),
+                f"- [`{lab.stem}.zip`](../downloads/{lab.stem}.zip): "
+                + say["kit_zip"].format(lines=kit_lines), ""]
     full, slim = lab.read_text(), lean.lean_source(lab.read_text(), lab.stem)
     return [f"## {say['download']} {{#download}}", "",
             f"- [`{lab.name}`](../downloads/{lab.name}): "
@@ -148,7 +230,7 @@ def lab_page(lab, previous, lang="en"):
     stamp, gpu_stamp = verified.lab_stamp(lab.stem), verified.gpu_stamp(lab.stem)
     plan_cmd, plan_out = plan_example(lab)
     lines = [f"# {title}", "",
-             say["source"].format(name=lab.name), "",
+             say["kit_source" if lesson_tools.on_kit(lab) else "source"].format(name=lab.name), "",
              f"!!! success \"{say['verified']}\"\n    {stamp}" if stamp
              else f"!!! warning \"{say['unverified']}\"\n    {say['unverified_body']}", "",
              f"!!! success \"{say['gpu_verified']}\"\n    {gpu_stamp}" if gpu_stamp
@@ -159,6 +241,8 @@ def lab_page(lab, previous, lang="en"):
              f"torchrun --standalone --nproc-per-node 2 labs/{lab.name} --check-parity", "```", ""]
     if guide:
         lines += [f"## {say['guide']} {{#use-it-in-your-project}}", "", guide, ""]
+    if lesson_tools.on_kit(lab):
+        lines += kit_section(lab, say)
     lines += [f"## {say['plan']} {{#plan-a-big-run}}", "", say["plan_body"], "", "```bash",
               plan_cmd, "```", "", "```text", plan_out, "```", ""]
     log = ROOT / "build" / "course" / f"{lab.stem}.log"
@@ -168,7 +252,8 @@ def lab_page(lab, previous, lang="en"):
                   "```text", *output[-12:], "```", ""]
     lines += [f"## {say['source_heading']} {{#source}}", "", "```python",
               f'--8<-- "labs/{lab.name}"', "```", ""]
-    if previous is not None:
+    if previous is not None and lesson_tools.on_kit(previous) == lesson_tools.on_kit(lab):
+        # (A lab on the kit against one that is not yet would diff the whole kit.)
         diff = difflib.unified_diff(previous.read_text().splitlines(),
                                     lab.read_text().splitlines(),
                                     f"labs/{previous.name}", f"labs/{lab.name}", lineterm="")
@@ -187,7 +272,8 @@ def labs_index(lang="en"):
         title = lab_docstring(lab, lang).splitlines()[0]
         rows.append(f"| [{lab.stem}]({lab.stem}.md) | {title} | "
                     f"`torchrun --standalone --nproc-per-node 2 labs/{lab.name}` |")
-    return f"# {say['labs_title']}\n\n{say['labs_intro']}\n\n" + "\n".join(rows) + "\n"
+    return (f"# {say['labs_title']}\n\n{say['labs_intro']} {say['kit_line']}\n\n"
+            + "\n".join(rows) + "\n")
 
 
 TORCHRUN_FLAGS_WORDS = {
@@ -258,9 +344,13 @@ def on_files(files, config):
     for lab in lesson_tools.lab_paths():
         add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous, lang))
         add_generated(files, config, f"downloads/{lab.name}", lab.read_text())
-        add_generated(files, config, f"downloads/lean/{lab.name}",
-                      lean.lean_source(lab.read_text(), lab.stem))
+        if lesson_tools.on_kit(lab):
+            add_generated(files, config, f"downloads/{lab.stem}.zip", lab_with_kit_zip(lab))
+        else:
+            add_generated(files, config, f"downloads/lean/{lab.name}",
+                          lean.lean_source(lab.read_text(), lab.stem))
         previous = lab
+    add_generated(files, config, "labs/labkit.md", kit_page(lang))
     add_generated(files, config, "labs/index.md", labs_index(lang))
     add_generated(files, config, "reference/torchrun-flags.md", torchrun_flags_page(lang))
     if lang == "en":
@@ -329,7 +419,8 @@ def on_config(config):
     lang, say = site_i18n.language(config), site_i18n.words(config)
     docs = ROOT / "docs" if lang == "en" else site_i18n.ZH / "docs"
     lessons = [f"lessons/{p.stem}.ipynb" for p in lesson_tools.lesson_paths()]
-    labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lesson_tools.lab_paths()]]
+    labs = ["labs/index.md", *[f"labs/{p.stem}.md" for p in lesson_tools.lab_paths()],
+            "labs/labkit.md"]
     runbooks = ["runbooks/index.md", *runbook_nav_groups(lang)]
     reference = sorted([*(f"reference/{p.name}" for p in (docs / "reference").glob("*.md")),
                         "reference/torchrun-flags.md", "reference/which-parallelism.md"])

@@ -10,7 +10,8 @@ import re
 import sys
 from pathlib import Path
 
-LABS = Path(__file__).resolve().parents[1] / "labs"
+import lessons  # tools/lessons.py: which labs are still self-contained
+
 REGION = re.compile(r"^# --8<-- \[start:(\w+)\]\n.*?^# --8<-- \[end:\1\]\n", re.S | re.M)
 
 
@@ -20,11 +21,11 @@ def synced(text, source_regions):
 
 def main():
     regions = {}
-    for lab in sorted(LABS.glob("lab[0-9][0-9]_*.py")):
+    for lab in lessons.self_contained_lab_paths():
         for m in REGION.finditer(lab.read_text()):
             regions.setdefault(m.group(1), m.group(0))
     stale = []
-    for lab in sorted(LABS.glob("lab[0-9][0-9]_*.py")):
+    for lab in lessons.self_contained_lab_paths():
         text = lab.read_text()
         new = synced(text, regions)
         if new != text:

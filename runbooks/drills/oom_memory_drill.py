@@ -47,7 +47,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "labs"))
-import lab01_ddp as lab  # noqa: E402  (the shared TinyLlama, data and loss)
+from labkit.data import SyntheticSequences  # noqa: E402  (the labs' kit: data, TinyLlama, loss)
+from labkit.model import build_model, initial_value, loss_fn  # noqa: E402
 import memory_estimator  # noqa: E402  (the course's one estimator of persistent state)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -165,13 +166,13 @@ def predict_held_after_forward(cfg, batch, seq_len, checkpointed):
 # ---------------------------------------------------------------- the model
 def build(cfg, device):
     torch.manual_seed(cfg.seed)
-    model = lab.build_model(cfg)
+    model = build_model(cfg)
     model.init_weights(cfg.seed)
     return model.to(device)
 
 
 def make_batch(cfg, batch, seq_len, device, offset=0):
-    data = lab.SyntheticSequences(offset + batch, seq_len, cfg.vocab_size, cfg.seed)
+    data = SyntheticSequences(offset + batch, seq_len, cfg.vocab_size, cfg.seed)
     pairs = [data[i] for i in range(offset, offset + batch)]
     return (torch.stack([p[0] for p in pairs]).to(device),
             torch.stack([p[1] for p in pairs]).to(device))
@@ -185,7 +186,7 @@ def forward_loss(model, tokens, targets, checkpointed=False, amp_dtype=None):
         for block in model.layers.values():
             h = checkpoint(block, h, use_reentrant=False) if checkpointed else block(h)
         logits = model.output(model.norm(h))
-    return lab.loss_fn(logits, targets)
+    return loss_fn(logits, targets)
 
 
 def step_seconds(model, tokens, targets, repeats):
@@ -332,12 +333,12 @@ def build_sharded(cfg, device, mesh, on_meta):
         shard_model(model, mesh)
         return model
     with torch.device("meta"):
-        model = lab.build_model(cfg)
+        model = build_model(cfg)
     shard_model(model, mesh)
     model.to_empty(device=device)
     with torch.no_grad():  # initialise each shard from the same full values lab01 uses
         for name, param in model.named_parameters():
-            full = lab.initial_value(name, param.shape, cfg.seed).to(device)
+            full = initial_value(name, param.shape, cfg.seed).to(device)
             param.to_local().copy_(local_rows(full, param))
     return model
 
@@ -366,7 +367,7 @@ def measure_fsdp_state(cfg, device, rank, world_size):
     tokens, targets = make_batch(cfg, cfg.batch_size // world_size, cfg.seq_len, device,
                                  offset=rank * cfg.batch_size)
     # model(...), not forward_loss: the root's forward hook all-gathers the root's own params
-    lab.loss_fn(model(tokens), targets).backward()
+    loss_fn(model(tokens), targets).backward()
     grads = local_bytes(p.grad for p in model.parameters())
     optimizer.step()
     states = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
@@ -418,7 +419,7 @@ def predict_step_peak(cfg, batch, seq_len, world_size=1, strategy="ddp"):
 
 def _param_shapes(cfg):
     with torch.device("meta"):
-        return [tuple(p.shape) for p in lab.build_model(cfg).parameters()]
+        return [tuple(p.shape) for p in build_model(cfg).parameters()]
 
 
 def verdict(predicted, budget, margin):

@@ -32,7 +32,6 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
 sys.path.insert(0, str(ROOT / "lessons"))
 
-import importlib.util
 import inspect
 import tempfile
 
@@ -98,13 +97,12 @@ assert len({v["env"]["MASTER_PORT"] for v in views}) == 1    # one address for a
 # %% [markdown]
 # ### 后端：CUDA 张量用 NCCL，CPU 张量用 gloo
 #
-# 真正执行通信的是后端。NCCL 用 GPU kernel 在 CUDA 张量上执行集合通信，走 NVLink、PCIe 或 InfiniBand；gloo 则在 CPU 张量上执行，走 TCP。两者的 API 相同，所以本课程的每个实验都是一份文件同时支持两种后端。各实验按一条规则选择：每个 local rank 都有自己的 GPU 时用 CUDA + NCCL，否则用 CPU + gloo。下面就是 `labs/lab01_ddp.py` 中实现这条规则的代码（直接从文件中打印出来，所以正是实际运行的代码）：
+# 真正执行通信的是后端。NCCL 用 GPU kernel 在 CUDA 张量上执行集合通信，走 NVLink、PCIe 或 InfiniBand；gloo 则在 CPU 张量上执行，走 TCP。两者的 API 相同，所以本课程的每个实验都是一份文件同时支持两种后端。各实验按一条规则选择：每个 local rank 都有自己的 GPU 时用 CUDA + NCCL，否则用 CPU + gloo。下面就是实现这条规则的代码：实验工具包（`labs/labkit/runtime.py`）中的 `pick_device_type`，以及 `labs/lab01_ddp.py` 中的 `init_distributed`（直接从文件中打印出来，所以正是实际运行的代码）：
 
 # %%
-spec = importlib.util.spec_from_file_location("lab01_ddp", ROOT / "labs" / "lab01_ddp.py")
-lab01 = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(lab01)          # defines functions only: nothing runs at import
-print(inspect.getsource(lab01.pick_device_type))
+sys.path.insert(0, str(ROOT / "labs"))
+import lab01_ddp as lab01  # noqa: E402  defines functions only: nothing runs at import
+print(inspect.getsource(lab01.pick_device_type))  # from its kit, labs/labkit/runtime.py
 print(inspect.getsource(lab01.init_distributed))
 assert '"nccl"' in inspect.getsource(lab01.init_distributed)
 assert '"gloo"' in inspect.getsource(lab01.init_distributed)

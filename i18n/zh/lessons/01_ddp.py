@@ -191,7 +191,7 @@ assert no_sync["allreduce_calls_per_step"] * 4 == synced["allreduce_calls_per_st
 #
 # ## 运行实验
 #
-# `labs/lab01_ddp.py` 是完整、可以直接复制使用的版本：模型、数据、检查点、日志一应俱全。加上 `--check-parity` 在两个进程上运行它：训练结束后，rank 0 会在单个进程中用相同的全局 batch 重新训练一遍，并逐个比较所有参数。
+# `labs/lab01_ddp.py` 是可以直接复制使用的版本：按发生的顺序写出 DDP（进程组、采样器、包装、`no_sync`、由 rank 0 保存检查点），建立在旁边的实验工具包（`labs/labkit/`：模型、数据、训练循环及其日志、指标、单进程参考）之上。加上 `--check-parity` 在两个进程上运行它：训练结束后，rank 0 会在单个进程中用相同的全局 batch 重新训练一遍，并逐个比较所有参数。
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson01-"))

@@ -1,0 +1,97 @@
+"""Atomic checkpoints: a reader (a resume, another node) sees the previous complete set of
+files or the new one, never a half-written one. Two forms: one torch.save file written by
+rank 0 (the replicated labs), or a DCP directory that every rank writes its shards into."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from labkit.faults import maybe_crash_mid_checkpoint
+
+KEEP = 2  # checkpoints kept on disk; older ones are deleted after each save
+
+
+def checkpoint_path(directory, step, suffix=""):
+    return Path(directory) / f"step_{step:08d}{suffix}"
+
+
+def complete_checkpoints(directory):
+    """Complete checkpoints in `directory`, oldest first: step_N.pt files, and step_N DCP
+    directories that hold .metadata (its coordinator writes it last). Never *.tmp: a
+    checkpoint loses its .tmp only once it is complete."""
+    if not directory or not Path(directory).is_dir():
+        return []
+    found = [p for p in Path(directory).glob("step_*")
+             if p.suffix == ".pt" or (p.is_dir() and p.suffix != ".tmp"
+                                      and (p / ".metadata").exists())]
+    return sorted(found)
+
+
+def latest_checkpoint(directory):
+    found = complete_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def write_json_atomic(path, payload):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, path)
+
+
+def checkpointed_batch_size(directory):
+    """The global batch of the run whose checkpoints are in `directory`, or None."""
+    record = Path(directory) / "run.json" if directory else None
+    if record and record.exists() and latest_checkpoint(directory):
+        return json.loads(record.read_text())["batch_size"]
+    return None
+
+
+def commit(cfg, tmp, final, step):
+    """Rank 0: make the checkpoint at `tmp` (complete and fsynced) the one at `final`."""
+    maybe_crash_mid_checkpoint(cfg, step)
+    # What a resume at another world size must keep.
+    write_json_atomic(Path(cfg.checkpoint_dir) / "run.json", {"batch_size": cfg.batch_size})
+    if final.is_dir():
+        shutil.rmtree(final)  # a rerun that saves the same step again
+    os.replace(tmp, final)  # atomic rename, of a file or of a whole directory
+    fd = os.open(final.parent, os.O_RDONLY)
+    os.fsync(fd)  # make the rename itself durable
+    os.close(fd)
+    for old in complete_checkpoints(final.parent)[:-KEEP]:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def save_file_atomically(cfg, state, step):
+    """Rank 0 only: torch.save into step_N.pt.tmp, fsync, then rename to step_N.pt."""
+    final = checkpoint_path(cfg.checkpoint_dir, step, ".pt")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(final.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    commit(cfg, tmp, final, step)
+
+
+def save_dcp_atomically(cfg, state, step, rank):
+    """Every rank writes its shards of `state` into step_N.tmp; rank 0 renames it to step_N
+    only after all ranks finished, so a crash mid-save leaves a .tmp that resume never looks
+    at. A collective: every rank must call it."""
+    final = checkpoint_path(cfg.checkpoint_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+        final.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()  # nobody writes into tmp while rank 0 may still be clearing it
+    dcp.save(state, checkpoint_id=tmp)
+    dist.barrier()  # every rank's files, and rank 0's .metadata, are on disk (fsynced by DCP)
+    if rank == 0:
+        commit(cfg, tmp, final, step)
+    dist.barrier()  # nobody races ahead (or reads) while rank 0 is renaming

@@ -1,0 +1,152 @@
+"""The training loop every lab shares: the learning-rate schedule, the step log (losses and
+times read from the device at sync points only), preemption by SIGTERM, and checkpoints at the
+steps --checkpoint-every names. Each lab passes in its own step and save functions."""
+
+import resource
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from labkit.faults import maybe_inject_failure, maybe_stall
+from labkit.runtime import teardown_distributed
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, rerun me"
+
+
+def learning_rate(cfg, step):
+    """Linear warmup from 0 over --warmup-steps (the shape of Hugging Face's
+    get_linear_schedule_with_warmup), then constant. A pure function of the step, so a resumed
+    run needs no scheduler state.
+
+    Why it matters for parity: Adam's first update is lr * g / (|g| + eps), which is close to
+    lr * sign(g) for every entry with |g| well above eps = 1e-8, however small g is next to the
+    rest of the gradient. Such an entry can be rounding noise, and any change in summation order
+    (a bucketed all-reduce over 3 ranks, TP's split matmuls) can flip its sign, moving that weight
+    about 2 * lr away from the single-process run. With lr 0 at step 1, the first real update
+    divides each entry by the RMS of two steps' gradients, and one noisy value no longer
+    decides. Early-step Adam variance is also why transformer recipes warm up (arXiv:1908.03265).
+    """
+    if cfg.warmup_steps == 0:
+        return cfg.lr
+    return cfg.lr * min(1.0, (step - 1) / cfg.warmup_steps)
+
+
+def set_learning_rate(optimizers, cfg, step):
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+
+
+def peak_memory_bytes(device):
+    """CUDA: peak bytes allocated by tensors. CPU: peak resident set size of the process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def log_line(step, loss, step_s, tokens_per_s, data_share, mem_bytes):
+    return (f"step {step:4d} | loss {loss:.4f} | {step_s * 1e3:.1f} ms | "
+            f"{tokens_per_s:.0f} tok/s | data {data_share:.0%} | mem {mem_bytes / 2**30:.2f} GiB")
+
+
+class PreemptionWatch:
+    """SIGTERM (a scheduler preempting the job) only raises a flag; the loop goes on to its next
+    sync point (StepLog.add), where all ranks agree in one all-reduce, so they checkpoint and
+    stop together."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.requested = True
+
+
+class StepLog:
+    """Losses, step times and the preemption flag, read from the device at sync points only.
+
+    CUDA runs ahead of Python, and anything that reads a device value on the host
+    (loss.item(), the result of a flag's all-reduce, torch.cuda.synchronize) makes Python
+    wait until the GPU has caught up, and the launch queue runs dry. So each step's loss
+    stays on the device. At a sync point (the first step, whose time includes warm-up; every
+    --log-every steps; each checkpoint step; the last step) one all-reduce carries every
+    pending loss and the preemption flag, and one read brings them to the host. That read
+    returns only when the device has finished the window's work, so a window's time is honest
+    on CUDA without a synchronize per step."""
+
+    def __init__(self, cfg, device, start_step, last_step, loss_divisor):
+        self.cfg, self.device, self.first, self.last = cfg, device, start_step + 1, last_step
+        self.loss_divisor = loss_divisor  # the all-reduce sums; this turns it into the mean
+        self.pending, self.losses, self.windows = [], [], []
+        self.data_s, self.window_start = 0.0, time.perf_counter()
+
+    def is_sync_point(self, step):
+        every = self.cfg.checkpoint_every if self.cfg.checkpoint_dir else 0
+        return (step in (self.first, self.last) or step % self.cfg.log_every == 0
+                or bool(every and step % every == 0))
+
+    def add(self, step, loss, data_s, preemption):
+        """Record one step. At a sync point, returns whether any rank was asked to stop."""
+        self.pending.append(loss.detach().float().reshape(1))
+        self.data_s += data_s
+        if not self.is_sync_point(step):
+            return False
+        flag = torch.tensor([float(preemption.requested)], device=self.device)
+        packed = torch.cat([*self.pending, flag])
+        dist.all_reduce(packed)  # SUM: every rank's losses, and how many ranks must stop
+        *sums, stops = packed.tolist()  # the window's one host read
+        seconds = time.perf_counter() - self.window_start
+        first = step - len(sums) + 1
+        self.losses += [[first + i, total / self.loss_divisor] for i, total in enumerate(sums)]
+        self.windows.append({"last_step": step, "steps": len(sums), "seconds": seconds,
+                             "data_s": self.data_s})
+        self.pending, self.data_s, self.window_start = [], 0.0, time.perf_counter()
+        return stops > 0
+
+    def restart_window(self):
+        """After a checkpoint: its time is not training time. Called at a sync point, so no
+        device work is pending."""
+        self.window_start = time.perf_counter()
+
+    def log(self, tokens_per_step):
+        window = self.windows[-1]
+        step_s = window["seconds"] / window["steps"]
+        return log_line(window["last_step"], self.losses[-1][1], step_s,
+                        tokens_per_step / step_s, window["data_s"] / window["seconds"],
+                        peak_memory_bytes(self.device))
+
+    def steady_tokens_per_s(self, tokens_per_step):
+        """Throughput after the first step (compile, allocator warm-up, lazy init)."""
+        steady = self.windows[1:] or self.windows
+        return tokens_per_step * sum(w["steps"] for w in steady) / sum(w["seconds"] for w in steady)
+
+    def data_share(self):
+        return sum(w["data_s"] for w in self.windows) / max(sum(w["seconds"] for w in self.windows), 1e-9)
+
+
+def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
+    """Steps start_step+1 .. the last: step_fn(step) -> (loss, data seconds); save_fn(step)
+    writes a checkpoint. Logs, checkpoints and preemption happen at StepLog's sync points."""
+    last_step = cfg.stop_at_step or cfg.steps
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    preemption = PreemptionWatch()
+    for step in range(start_step + 1, last_step + 1):
+        maybe_inject_failure(cfg, step, rank)  # the fault drills; no-ops unless asked for
+        maybe_stall(cfg, step, rank, preemption)
+        loss, data_s = step_fn(step)
+        preempted = log.add(step, loss, data_s, preemption)
+        if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
+            print(log.log(tokens_per_step), flush=True)
+        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                                   or step == last_step or preempted):
+            save_fn(step)
+            log.restart_window()
+        if preempted:
+            if rank == 0:
+                print(f"preempted: checkpoint at step {step} written, exiting "
+                      f"{PREEMPTED_EXIT_CODE}", flush=True)
+            teardown_distributed()
+            sys.exit(PREEMPTED_EXIT_CODE)

@@ -1,0 +1,163 @@
+"""The model every lab trains: a small Llama-style decoder (RMSNorm, RoPE attention with
+grouped-query heads, SwiGLU), its size presets, its initial values, and its FLOPs per token."""
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Llama-shaped sizes. debug is what every test and lesson trains (a CPU step in milliseconds).
+# 1b has Llama-3.2-1B's shape but an untied output layer (1.50B parameters, not 1.24B); 8b has
+# Llama-3.1-8B's dimensions (8.03B) and 70b Llama-3.1-70B's (70.55B, for --plan). Fields left
+# as None follow from the others: num_kv_heads = num_heads (no grouped-query attention),
+# ffn_dim = 4 x dim.
+MODEL_PRESETS = {
+    "debug": dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=None, ffn_dim=None,
+                  vocab_size=64, seq_len=32, micro_batch_size=8, rope_theta=1e4),
+    "small": dict(dim=256, num_layers=4, num_heads=8, num_kv_heads=4, ffn_dim=768,
+                  vocab_size=256, seq_len=256, micro_batch_size=8, rope_theta=1e4),
+    "1b": dict(dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, ffn_dim=8192,
+               vocab_size=128256, seq_len=2048, micro_batch_size=4, rope_theta=5e5),
+    "8b": dict(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
+               vocab_size=128256, seq_len=8192, micro_batch_size=1, rope_theta=5e5),
+    "70b": dict(dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672,
+                vocab_size=128256, seq_len=8192, micro_batch_size=1, rope_theta=5e5),
+}
+
+
+def initial_value(name, shape, seed):
+    """Initial value of one parameter, keyed by its name: the same on every rank, whatever
+    the parallel layout, so sharded and pipelined labs can build it piece by piece."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = 0.02 if "embeddings" in name else 1.0 / math.sqrt(shape[-1])
+    return torch.randn(shape, generator=generator) * std
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # In fp32, as Meta's Llama does: in fp16 the backward of rsqrt at a small mean square
+        # (embeddings of std 0.02) exceeds 65504 and the gradient becomes inf. A no-op in fp32.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(seq_len, head_dim, device, theta):
+    """Rotary-embedding cos/sin, computed per call: no buffers, so DDP has none to broadcast."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)  # fp32 tables must not upcast bf16 q/k
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads, num_kv_heads, rope_theta):
+        super().__init__()
+        self.head_dim, self.rope_theta = dim // num_heads, rope_theta
+        kv_dim = num_kv_heads * self.head_dim  # grouped-query attention: fewer k/v heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        bsz, seq_len, _ = x.shape
+        # -1 heads: tensor parallel shards wq/wk/wv by heads, and this still works unchanged.
+        q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        cos, sin = rope_tables(seq_len, self.head_dim, x.device, self.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim)
+        self.attention = Attention(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.rope_theta)
+        self.ffn_norm = RMSNorm(cfg.dim)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    """Llama-style decoder. Layers live in a ModuleDict keyed by index, so a pipeline stage can
+    delete the others (and set tok_embeddings / norm / output to None) without renaming."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        for name, param in self.named_parameters():
+            param.copy_(initial_value(name, param.shape, seed))
+
+
+def loss_fn(logits, targets):
+    """Next-token cross-entropy, in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_model(cfg):
+    return TinyLlama(cfg)
+
+
+def parameter_shapes(cfg):
+    """{name: shape} of build_model(cfg), built on the meta device: no memory, any size."""
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in build_model(cfg).named_parameters()}
+
+
+def flops_per_token(cfg, seq_len):
+    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward; the embedding is
+    a lookup and the norms' weights scale elementwise, so both are left out), plus attention's
+    QK^T and AV, 12 x layers x heads x head_dim x seq_len (PaLM, arXiv:2204.02311, appendix B;
+    causal masking is not subtracted, as in torchtitan). With the actual sequence length."""
+    shapes = parameter_shapes(cfg)
+    matmul_params = sum(math.prod(s) for n, s in shapes.items()
+                        if len(s) == 2 and "embeddings" not in n)
+    return 6 * matmul_params + 12 * cfg.num_layers * cfg.dim * seq_len

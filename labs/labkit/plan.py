@@ -1,0 +1,160 @@
+"""--plan: the memory each rank needs, by item, against the GPU it is planned for (or this
+machine), and refusing before any process group a run whose estimate cannot fit.
+
+The labs describe what a rank holds with plan_layout(cfg, world_size), a dict:
+state_shards / optimizer_shards, the ranks that split each parameter's state; tp, the
+tensor-parallel degree; layers, the blocks a rank holds; in_flight, the micro-batches whose
+activations it holds at once; micro_batch, the sequences in each; fsdp, whether blocks are
+gathered whole; ddp_buckets, DDP's copy of the gradients; mesh, what and precision, words
+for the printout."""
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+from labkit.errors import fail_config
+from labkit.model import flops_per_token, parameter_shapes
+from labkit.runtime import (choose_precision, compute_dtype, local_world_size, pick_device_type,
+                            precision_name)
+
+# Dense bf16 tensor-core peaks (no sparsity), as in torchtitan's get_peak_flops
+# (torchtitan/tools/utils.py), from NVIDIA's datasheets; fp16 for the GPUs without bf16.
+# Memory is the nominal size on the box. Keys are what --plan --gpu takes; "match" finds the
+# entry for torch.cuda.get_device_name() (first match wins, most specific first).
+GPU_SPECS = {
+    "B200-180GB": dict(match=("b200",), memory_gb=180, peak_flops=2.25e15, bf16=True),
+    "H200-141GB": dict(match=("h200",), memory_gb=141, peak_flops=989e12, bf16=True),
+    "H100-NVL-94GB": dict(match=("h100", "nvl"), memory_gb=94, peak_flops=835e12, bf16=True),
+    "H100-PCIe-80GB": dict(match=("h100", "pcie"), memory_gb=80, peak_flops=756e12, bf16=True),
+    "H100-80GB": dict(match=("h100",), memory_gb=80, peak_flops=989e12, bf16=True),
+    "A100-80GB": dict(match=("a100", "80"), memory_gb=80, peak_flops=312e12, bf16=True),
+    "A100-40GB": dict(match=("a100",), memory_gb=40, peak_flops=312e12, bf16=True),
+    "L40S-48GB": dict(match=("l40s",), memory_gb=48, peak_flops=362e12, bf16=True),
+    "L4-24GB": dict(match=("l4",), memory_gb=24, peak_flops=121e12, bf16=True),
+    "V100-32GB": dict(match=("v100",), memory_gb=32, peak_flops=125e12, bf16=False),
+    "T4-16GB": dict(match=("t4",), memory_gb=16, peak_flops=65e12, bf16=False),
+}
+
+
+def gpu_spec_for(device_name):
+    """(key, spec) of GPU_SPECS for a device name, or (None, None): no guess for an unknown GPU."""
+    name = device_name.lower()
+    for key, spec in GPU_SPECS.items():
+        if all(part in name for part in spec["match"]):
+            return key, spec
+    return None, None
+
+
+MEMORY_LEFT_OUT = (
+    "the CUDA context and NCCL's buffers (about 0.5-1 GB per process)",
+    "allocator fragmentation and cached-but-free blocks",
+    "temporaries inside one op (attention workspace, the optimizer's foreach buffers)",
+    "a checkpoint's staging copies while it is saved",
+)
+FIT_FRACTION = 0.9  # the estimate may fill 90% of a device; the rest is for MEMORY_LEFT_OUT
+
+
+def device_capacity_bytes(device_type, num_local_ranks):
+    """What one rank may use: its GPU's memory, or an even share of this machine's RAM."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // num_local_ranks
+
+
+def activation_elements_per_token(cfg):
+    """Elements one block saves for backward per token, counted from Block.forward with a fused
+    (flash) attention that keeps no seq x seq scores: the norms' inputs and outputs, q/k/v
+    before and after RoPE, the attention output, and SwiGLU's four hidden-width tensors."""
+    kv_dim = cfg.num_kv_heads * (cfg.dim // cfg.num_heads)
+    return 9 * cfg.dim + 3 * kv_dim + 4 * cfg.ffn_dim
+
+
+def estimate_memory(cfg, layout, dtype):
+    """Bytes the busiest rank needs, by item (AdamW, fp32 master weights and gradients), for
+    the lab's plan_layout (see the module docstring)."""
+    shapes = parameter_shapes(cfg)
+    block = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0."))
+    outside = sum(math.prod(s) for n, s in shapes.items() if not n.startswith("layers."))
+    held = layout["layers"] * block + outside
+    compute_bytes = 4 if dtype is None else 2
+    tokens = layout["micro_batch"] * cfg.seq_len
+    per_block_act = activation_elements_per_token(cfg) * tokens * compute_bytes // layout["tp"]
+    stored_blocks = 1 if getattr(cfg, "activation_checkpointing", False) else layout["layers"]
+    checkpointed = (layout["layers"] - stored_blocks) * cfg.dim * tokens * compute_bytes
+    items = {
+        "params (fp32)": 4 * held // layout["state_shards"],
+        "grads (fp32)": 4 * held // layout["state_shards"],
+        "AdamW state (2 x fp32)": 8 * held // layout["optimizer_shards"],
+        "DDP gradient buckets": 4 * held if layout["ddp_buckets"] else 0,
+        # The block that computes and the one prefetched, unsharded, with their gradients.
+        "gathered blocks (FSDP)": (2 * block * (compute_bytes + 4) // layout["tp"]
+                                   if layout["fsdp"] else 0),
+        "activations": layout["in_flight"] * (stored_blocks * per_block_act + checkpointed),
+        # Logits in the compute dtype, their fp32 copy for the loss, and its gradient.
+        "logits and loss": tokens * cfg.vocab_size * (compute_bytes + 8),
+    }
+    return {name: value for name, value in items.items() if value}
+
+
+def check_fits(cfg, layout, dtype, capacity, label):
+    """Refuse a run whose estimate cannot fit, before any process group: one line, exit 2."""
+    items = estimate_memory(cfg, layout, dtype)
+    need = sum(items.values())
+    if need > FIT_FRACTION * capacity:
+        biggest = max(items, key=items.get)
+        fail_config("--model", f"{cfg.model} needs about {need / 1e9:.1f} GB per rank "
+                    f"({biggest}: {items[biggest] / 1e9:.1f} GB), {label} has "
+                    f"{capacity / 1e9:.1f} GB: see --plan, or choose a smaller --model")
+
+
+def plan_target(cfg, world_size):
+    """(label, capacity per rank, dtype, peak FLOP/s) of the hardware a plan is for."""
+    if cfg.gpu:
+        spec = GPU_SPECS[cfg.gpu]
+        dtype = choose_precision(cfg.amp, "cuda", spec["bf16"])
+        return (f"{world_size} x {cfg.gpu}", spec["memory_gb"] * 1e9, dtype, spec["peak_flops"])
+    device_type = pick_device_type(cfg)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        fail_config("--gpu", "no GPU on this machine to plan for: name one, e.g. --gpu H100-80GB")
+    capacity = device_capacity_bytes(device_type, min(world_size, local_world_size()) or 1)
+    return (f"{world_size} x this machine's {device_type}", capacity,
+            compute_dtype(cfg, device_type), None)
+
+
+def print_plan(cfg, layout, world_size):
+    label, capacity, dtype, peak = plan_target(cfg, world_size)
+    items = estimate_memory(cfg, layout, dtype)
+    need, num_params = sum(items.values()), sum(math.prod(s) for s in parameter_shapes(cfg).values())
+    fits = need <= FIT_FRACTION * capacity
+    lines = [f"plan | {cfg.lab} | {label} | --model {cfg.model}: {num_params / 1e9:.2f}B params, "
+             f"seq {cfg.seq_len}, micro-batch {cfg.micro_batch_size}, global batch {cfg.batch_size}",
+             f"mesh: {layout['mesh']} ({layout['what']})",
+             f"precision: {precision_name(dtype)} compute; {layout['precision']}",
+             f"FLOPs per token: {flops_per_token(cfg, cfg.seq_len) / 1e9:.1f} GFLOP"
+             + (f"; peak {peak / 1e12:.0f} TFLOP/s per GPU" if peak else ""),
+             "memory per rank (estimate, the busiest rank):"]
+    lines += [f"  {name:28s} {value / 1e9:8.2f} GB" for name, value in items.items()]
+    lines += [f"  {'total':28s} {need / 1e9:8.2f} GB of {capacity / 1e9:.1f} GB: "
+              f"{'fits' if fits else 'does NOT fit'} (limit {FIT_FRACTION:.0%})",
+              "not counted: " + "; ".join(MEMORY_LEFT_OUT)]
+    if not fits and getattr(cfg, "activation_checkpointing", True) is False:
+        recompute = argparse.Namespace(**{**vars(cfg), "activation_checkpointing": True})
+        total = sum(estimate_memory(recompute, layout, dtype).values())
+        lines.append(f"with --activation-checkpointing: {total / 1e9:.2f} GB, "
+                     f"{'fits' if total <= FIT_FRACTION * capacity else 'still does NOT fit'}")
+    print("\n".join(lines))
+    return fits
+
+
+def plan_or_refuse(cfg, layout, world_size):
+    """--plan: print the plan, exit 0. Otherwise refuse a run whose estimate cannot fit."""
+    if cfg.plan:
+        print_plan(cfg, layout, world_size)
+        sys.exit(0)
+    device_type = pick_device_type(cfg)
+    capacity = device_capacity_bytes(device_type, local_world_size())
+    check_fits(cfg, layout, compute_dtype(cfg, device_type), capacity,
+               f"this machine's {device_type}")
