@@ -1614,7 +1614,8 @@ def check_parity(cfg, stages, first_grads, losses, timeline):
     grad_diff = max(((first_grads[n] - ref_grads[n]).abs().max().item() for n in first_grads),
                     default=-1.0)  # -1: no step 1 in this run (resumed)
     loss_diff = max(abs(loss - ref_losses[step - 1]) for step, loss in losses)
-    worst = torch.tensor([param_diff, grad_diff, loss_diff], dtype=torch.float64)
+    device = next(modules[0].parameters()).device  # NCCL reduces only tensors on the GPU
+    worst = torch.tensor([param_diff, grad_diff, loss_diff], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.tolist(), ref_losses
 # lean: end

@@ -1621,8 +1621,9 @@ def check_parity(cfg, stages, first_grads, losses, mesh):
     loss) diffs; -1 where nothing was compared (no step 1 in a resumed run)."""
     modules = [s.submod for s in stages]
     params = named_full_tensors(modules)  # collective: every rank takes part
+    device = next(modules[0].parameters()).device  # NCCL reduces only tensors on the GPU
     if mesh.get_local_rank("dp") or mesh.get_local_rank("tp"):
-        worst = torch.full((3,), -1.0, dtype=torch.float64)
+        worst = torch.full((3,), -1.0, dtype=torch.float64, device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return worst.tolist(), None
     # GPipe, 1F1B and Interleaved1F1B run every stage's backwards in microbatch order.
@@ -1632,7 +1633,7 @@ def check_parity(cfg, stages, first_grads, losses, mesh):
     grad_diff = max(((first_grads[n] - ref_grads[n]).abs().max().item() for n in first_grads),
                     default=-1.0)  # -1: no step 1 in this run (resumed)
     loss_diff = max(abs(loss - ref_losses[step - 1]) for step, loss in losses)
-    worst = torch.tensor([param_diff, grad_diff, loss_diff], dtype=torch.float64)
+    worst = torch.tensor([param_diff, grad_diff, loss_diff], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.tolist(), ref_losses
 # lean: end

@@ -243,3 +243,12 @@ def test_lab04_nccl_parity_on_two_gpus(tmp_path):
                                                "--amp", "off"], tmp_path, timeout=300)
     assert metrics["backend"] == "nccl" and metrics["world_size"] == 2
     assert metrics["parity_max_abs_diff"] <= 1e-5
+
+
+def test_labs_flag_reruns_only_the_named_labs_and_refuses_an_unknown_one(capsys):
+    assert gpu_check.parse_args(["--labs", "lab05_3d,lab04_pipeline"]).labs == [
+        "lab05_3d", "lab04_pipeline"]
+    assert gpu_check.parse_args([]).labs == []
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.parse_args(["--labs", "lab99_nothing"])
+    assert exit_info.value.code == 2 and "unknown lab99_nothing" in capsys.readouterr().err

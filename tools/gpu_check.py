@@ -1,6 +1,7 @@
 """`make gpu-check`: everything in the course that needs CUDA, on the GPUs this machine has.
 
     python tools/gpu_check.py        # what `make gpu-check` runs
+    python tools/gpu_check.py --labs lab05_3d   # only these labs' launches, after a fix
 
 With N = torch.cuda.device_count() it runs, in this order:
   1. every lab under torchrun at world size N on NCCL, twice: its GPU defaults (`--device cuda`,
@@ -23,6 +24,7 @@ leaves no time for is FAILED as not run. Exit 0 only if everything that ran pass
 GPU: one line and exit 1, since nothing was checked.
 """
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -353,7 +355,21 @@ def print_table(results):
               f"{parity:>8s} {tps:>10s} {mfu:>6s}  {r.get('reason') or ''}")
 
 
-def main():
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--labs", default="",
+                        help="comma-separated lab names: run only their launches (no test tier, "
+                             "no fill run), e.g. to recheck one lab after a fix")
+    args = parser.parse_args(argv)
+    args.labs = [name for name in args.labs.split(",") if name]
+    unknown = sorted(set(args.labs) - set(LABS))
+    if unknown:
+        parser.error(f"--labs: unknown {', '.join(unknown)}; known: {', '.join(LABS)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print(NO_GPU, file=sys.stderr)
         return 1
@@ -372,9 +388,11 @@ def main():
 
     with tempfile.TemporaryDirectory() as out_dir:
         for run in planned_runs(num_gpus, out_dir):
-            record(check_lab(run, deadline))
-        record(check_tests(deadline))
-        record(check_fill(num_gpus, out_dir, deadline))
+            if not args.labs or run["lab"] in args.labs:
+                record(check_lab(run, deadline))
+        if not args.labs:
+            record(check_tests(deadline))
+            record(check_fill(num_gpus, out_dir, deadline))
     print_table(results)
     ok = all(r["status"] != "failed" for r in results)
     print(f"\ngpu-check: {'all that ran passed' if ok else 'FAILED'}; results appended to "
