@@ -24,8 +24,8 @@ flags, model, data, the loop and its log, metrics, --plan, --check-parity and th
 
 Use it in your project:
   - Replace: `build_model()` (labkit/model.py: your model, your init), `SyntheticSequences`
-    (labkit/data.py: your Dataset, still dealt out by `micro_batches()`), `loss_fn()`, the
-    batch unpacking in `train_step()`. `--check-parity` (fp32, no dropout) tests your port.
+    (labkit/data.py: your Dataset, still dealt out by `micro_batches()`), `loss_fn()` and the
+    batch unpacking in `train_step()` (labkit/). `--check-parity` (fp32) tests the port.
   - Keep: `init_distributed()` with `attempt_store()` (restarts: runbooks/restart-hang.md);
     set_epoch in `micro_batches()` (runbooks/dataloader-same-order-every-epoch.md); models
     made inside `run()` and freed before `teardown_distributed()` (runbooks/exit-hang.md,
@@ -51,9 +51,9 @@ from labkit.checkpoint import latest_checkpoint, save_file_atomically
 from labkit.data import ResumableDistributedSampler, build_dataset, make_loader
 from labkit.errors import fail_config
 from labkit.flags import make_parser, planned_world_size, validate_common
-from labkit.loop import StepLog, set_learning_rate, train_loop
+from labkit.loop import announce, train_loop, train_step
 from labkit.metrics import finish_run
-from labkit.model import build_model, loss_fn
+from labkit.model import build_model
 from labkit.plan import plan_or_refuse
 from labkit.runtime import (attempt_store, become_a_world_of_one, compute_dtype,
                             make_grad_scaler, pick_device_type, precision_name,
@@ -145,30 +145,11 @@ def inspect_ddp(ddp_model, world_size):
     assert all(torch.equal(g, checksum) for g in gathered), "replicas differ after DDP init"
 
 
-def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype):
-    """One optimizer step of grad_accum micro-steps. Returns (loss on the device, data-wait
-    seconds): nothing here reads a device value on the host."""
-    data_s, total_loss = 0.0, 0.0
-    for micro in range(cfg.grad_accum):
-        t0 = time.perf_counter()
-        inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))
-        data_s += time.perf_counter() - t0
-        # no_sync on all but the last micro-step: gradients accumulate locally and are
-        # all-reduced once per optimizer step instead of once per micro-step.
-        last = micro == cfg.grad_accum - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = model(inputs)
-            loss = loss_fn(logits, targets) / cfg.grad_accum
-            scaler.scale(loss).backward()  # DDP's hooks all-reduce buckets during this
-        total_loss += loss.detach()
-    if cfg.clip:
-        scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-    scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return total_loss, data_s
+def gradient_sync(model, enabled):
+    """The context the kit's train_step() enters around each micro-step. no_sync() on all but
+    the last: gradients accumulate locally, and the last micro-step's backward all-reduces
+    their sum once per optimizer step instead of once per micro-step."""
+    return contextlib.nullcontext() if enabled else model.no_sync()
 
 
 def save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size):
@@ -210,19 +191,15 @@ def train(cfg, rank, world_size, device):
     amp_dtype = compute_dtype(cfg, device.type)
     scaler = make_grad_scaler(amp_dtype, device)
     batches = micro_batches(cfg, rank, world_size, start_step, pin_memory=device.type == "cuda")
-    last_step = cfg.stop_at_step or cfg.steps
-    log = StepLog(cfg, device, start_step, last_step, loss_divisor=world_size)
-    if rank == 0:
-        print(f"{LAB_NAME} | {dist.get_backend()} x{world_size} | {device} | "
-              f"{precision_name(amp_dtype)} | {sum(p.numel() for p in model.parameters()):,} "
-              f"params | steps {start_step + 1}..{last_step}", flush=True)
-
-    def step_fn(step):
-        set_learning_rate([optimizer], cfg, step)
-        return train_step(ddp_model, optimizer, scaler, batches, cfg, device, amp_dtype)
-
-    train_loop(cfg, rank, device, start_step, log, step_fn,
-               lambda step: save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size))
+    announce(cfg, rank, world_size, device, start_step, precision_name(amp_dtype),
+             f"{sum(p.numel() for p in model.parameters()):,} params")
+    log = train_loop(
+        cfg, rank, device, start_step, [optimizer],
+        # DDP's hooks all-reduce the gradients, bucket by bucket, during each backward.
+        lambda step: train_step(ddp_model, optimizer, scaler, batches, cfg, device, amp_dtype,
+                                gradient_sync),
+        lambda step: save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size),
+        loss_divisor=world_size)
     return ddp_model, log, amp_dtype
 
 

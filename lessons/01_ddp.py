@@ -160,13 +160,14 @@ assert plain_state.keys() == ddp_state.keys() and script_parity <= 1e-5
 # `world_size`-th index of it.
 #
 # The lab does the same with what a long job adds: gradient accumulation with `no_sync()` on
-# all but the last micro-step, checkpoints, logging and fault handling. (Its
-# `init_distributed()` also builds a restart-safe store; why is in
-# [restart hang](../runbooks/restart-hang.md).)
+# all but the last micro-step (its `gradient_sync`, which the kit's `train_step` enters around
+# each micro-step), checkpoints, logging and fault handling. (Its `init_distributed()` also
+# builds a restart-safe store; why is in [restart hang](../runbooks/restart-hang.md).)
 
 # %%
 print(inspect.getsource(lab.apply_ddp))
-print(inspect.getsource(lab.train_step))
+print(inspect.getsource(lab.gradient_sync))
+print(inspect.getsource(lab.train_step))  # from the kit: labs/labkit/loop.py
 
 # %% [markdown]
 # ## Buckets and no_sync: counting the all-reduces

@@ -267,7 +267,7 @@ print(inspect.getsource(lab.build_fsdp_model))
 #
 # `lessons/fsdp_workers.py` builds the model with the lab's own functions for each strategy,
 # runs one optimizer step, and sums the storage behind the tensors each rank holds
-# (`lab.measure_state_bytes`). World sizes 1, 2, 4:
+# (`measure_state_bytes` in the lab kit's probes, `labs/labkit/probes.py`). World sizes 1, 2, 4:
 
 # %%
 measured = {n: run_workers(fsdp_workers.measure_strategies, n, ("ddp", "zero3"), timeout_s=240)

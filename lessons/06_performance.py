@@ -55,7 +55,7 @@ sys.path[:0] = [str(ROOT / "labs"), str(ROOT / "lessons")]
 
 import lab01_ddp as lab  # noqa: E402  (the lab that lesson 06 profiles)
 from labkit.metrics import measure_matmul_peak  # noqa: E402  (the labs' kit: the CPU's peak)
-from labkit.model import MODEL_PRESETS, flops_per_token, parameter_shapes  # noqa: E402
+from labkit.model import MODEL_PRESETS, flops_per_token, loss_fn, parameter_shapes  # noqa: E402
 import perf_model  # noqa: E402  (the step-time model: its check, and a published run)
 from spawn import launch_lab  # noqa: E402  (lessons/spawn.py: torchrun's ranks, forked)
 
@@ -103,7 +103,7 @@ def train_steps(dim, steps=4, seq_len=32, batch=8):
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step():
-        loss = lab.loss_fn(model(inputs), targets)
+        loss = loss_fn(model(inputs), targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

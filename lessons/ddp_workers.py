@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "labs"))
 import lab01_ddp as lab  # noqa: E402
 from labkit.data import SyntheticSequences  # noqa: E402
+from labkit.model import loss_fn  # noqa: E402
 
 LAB_DEFAULTS = lab.parse_config([])  # the lab's default model and data sizes
 
@@ -44,16 +45,16 @@ def average_gradients_by_hand(rank, world_size):
     mine = slice(rank * len(inputs) // world_size, (rank + 1) * len(inputs) // world_size)
 
     manual = _model()
-    lab.loss_fn(manual(inputs[mine]), targets[mine]).backward()
+    loss_fn(manual(inputs[mine]), targets[mine]).backward()
     for param in manual.parameters():
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)  # the one collective DDP relies on
         param.grad /= world_size
 
     ddp = DDP(_model())
-    lab.loss_fn(ddp(inputs[mine]), targets[mine]).backward()  # DDP all-reduces in backward
+    loss_fn(ddp(inputs[mine]), targets[mine]).backward()  # DDP all-reduces in backward
 
     whole = _model()
-    lab.loss_fn(whole(inputs), targets).backward()
+    loss_fn(whole(inputs), targets).backward()
     return {
         "manual_vs_ddp": (_grads(manual) - _grads(ddp.module)).abs().max().item(),
         "manual_vs_whole_batch": (_grads(manual) - _grads(whole)).abs().max().item(),
@@ -81,7 +82,7 @@ def count_buckets(rank, world_size, bucket_cap_mb, micro_steps, use_no_sync, tim
         for i, (x, y) in enumerate(micro):
             skip_sync = use_no_sync and i < micro_steps - 1
             with model.no_sync() if skip_sync else torch.enable_grad():
-                (lab.loss_fn(model(x), y) / micro_steps).backward()
+                (loss_fn(model(x), y) / micro_steps).backward()
         optimizer.step()
         optimizer.zero_grad()
         if step == 0:
@@ -113,7 +114,7 @@ def bucket_sizes_default_vs_explicit_cap(rank, world_size, dim=256):
         ddp.register_comm_hook(None, recording_hook)
         for _ in range(2):  # step 1 learns the gradient order; buckets are rebuilt after it
             calls.clear()
-            lab.loss_fn(ddp(mine[0]), mine[1]).backward()
+            loss_fn(ddp(mine[0]), mine[1]).backward()
         sizes[label] = list(calls)
     return {"sizes": sizes, "first_bucket_cap": dist._DEFAULT_FIRST_BUCKET_BYTES}
 
@@ -210,7 +211,7 @@ def compressed_allreduce_bytes(rank, world_size, hook_name):
     inputs, targets = _global_batch(4 * world_size)
     dist.all_reduce = recording_all_reduce  # the hooks call torch.distributed.all_reduce
     try:
-        lab.loss_fn(model(inputs.chunk(world_size)[rank]), targets.chunk(world_size)[rank]).backward()
+        loss_fn(model(inputs.chunk(world_size)[rank]), targets.chunk(world_size)[rank]).backward()
     finally:
         dist.all_reduce = real_all_reduce
     return {"sent": sent, "grad_bytes": sum(p.numel() * 4 for p in model.parameters())}

@@ -1,8 +1,8 @@
 """Worker functions for lessons/02_fsdp.py (each child process imports them by name).
 
 Each runs inside a gloo process group started by spawn.run_workers and returns plain data.
-Model building, sharding and measuring come from labs/lab02_fsdp.py itself, so the lesson
-measures the code the lab runs.
+Model building and sharding come from labs/lab02_fsdp.py itself, the step and the byte probes
+from its kit (labs/labkit/), so the lesson measures the code the lab runs.
 """
 
 import sys
@@ -17,9 +17,16 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "labs"))
 import lab02_fsdp as lab  # noqa: E402
+from labkit.loop import train_step  # noqa: E402
+from labkit.probes import FirstStepBytes, layout_report  # noqa: E402
 
 # The lab's loss scaler, disabled: these measurements run in fp32 or bf16, which need none.
 FP32 = lab.make_grad_scaler(None, torch.device("cpu"))
+
+
+def lab_step(model, optimizer, batches, cfg, device, amp_dtype):
+    """One optimizer step as lab02 takes it: the kit's step with the lab's gradient sync."""
+    return train_step(model, optimizer, FP32, batches, cfg, device, amp_dtype, lab.gradient_sync)
 
 
 def _toy_problem(rank, world_size, steps):
@@ -98,12 +105,13 @@ def measure_strategies(rank, world_size, names=tuple(STRATEGY_ARGS)):
         cfg = lab.parse_config([*args, "--steps", "1"])
         torch.manual_seed(cfg.seed)
         model, optimizer, mesh = lab.build(cfg, world_size, device)
-        layout = lab.inspect_fsdp(model, mesh, cfg) if mesh else None
-        probe = {}
+        if mesh:
+            lab.inspect_fsdp(model, mesh, cfg)  # the lab's own asserts on what each rank holds
+        layout = layout_report(model) if mesh else None
+        probe = FirstStepBytes(model, optimizer)
         batches = lab.micro_batches(cfg, rank, world_size, 0)
-        lab.train_step(model, optimizer, FP32, batches, cfg, device, None, probe)
-        probe["layout"] = layout and layout["layers.0.attention.wq.weight"]
-        results[name] = probe
+        lab_step(model, optimizer, batches, cfg, device, None)
+        results[name] = {**probe.values, "layout": layout and layout["layers.0.attention.wq.weight"]}
         del model, optimizer
     results["param_shapes"] = [list(p.shape) for p in lab.build_model(cfg).parameters()]
     return results
@@ -121,11 +129,11 @@ def fsdp_step_trace(rank, world_size):
     torch.manual_seed(cfg.seed)
     model, optimizer, mesh = lab.build(cfg, world_size, torch.device("cpu"))
     batches = lab.micro_batches(cfg, rank, world_size, 0)
-    lab.train_step(model, optimizer, FP32, batches, cfg, torch.device("cpu"), None)  # warm-up
+    lab_step(model, optimizer, batches, cfg, torch.device("cpu"), None)  # warm-up
     counter = lab03.CommCounter({"dp": mesh.get_group(), "world": dist.group.WORLD})
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with counter:
-            lab.train_step(model, optimizer, FP32, batches, cfg, torch.device("cpu"), None)
+            lab_step(model, optimizer, batches, cfg, torch.device("cpu"), None)
     events = [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
               if e.name.startswith("FSDP::") or e.name.startswith("gloo:")]
     t0 = min(start for _, start, _ in events)
@@ -169,20 +177,20 @@ def flag_matrix_row(rank, world_size, label, timed_steps=5):
         lambda mod, args, out: seen.update(weight=str(mod.weight.dtype)[6:],
                                            activation=str(out.dtype)[6:]))
     t0 = time.perf_counter()
-    lab.train_step(model, optimizer, FP32, batches, cfg, device, amp)  # compiles, if asked
+    lab_step(model, optimizer, batches, cfg, device, amp)  # compiles, if asked
     first_s = time.perf_counter() - t0
     hook.remove()
     groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
     counter = lab03.CommCounter({**groups, "world": dist.group.WORLD})
-    saved, probe = lab03.SavedActivationBytes(model), {}
+    saved, probe = lab03.SavedActivationBytes(model), FirstStepBytes(model, optimizer)
     with counter, saved:
-        lab.train_step(model, optimizer, FP32, batches, cfg, device, amp, probe)
+        lab_step(model, optimizer, batches, cfg, device, amp)
     times = []
     for _ in range(timed_steps):
         t0 = time.perf_counter()
-        lab.train_step(model, optimizer, FP32, batches, cfg, device, amp)
+        lab_step(model, optimizer, batches, cfg, device, amp)
         times.append(time.perf_counter() - t0)
-    return {"state": {k: probe[k] for k in ("params", "grads", "optimizer")},
+    return {"state": {k: probe.values[k] for k in ("params", "grads", "optimizer")},
             "wire_bytes": dict(counter.wire_bytes),
             "wire_bytes_by_group": dict(counter.wire_bytes_by_group),
             "saved_activation_bytes": saved.total, "dtypes": seen,

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 import lab01_ddp as lab
+from labkit.model import loss_fn
 
 
 def build(strategy, dim, num_layers):
@@ -84,7 +85,7 @@ def profiled_step(strategy, dim, num_layers):
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step():
-        loss = lab.loss_fn(model(inputs), targets)
+        loss = loss_fn(model(inputs), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

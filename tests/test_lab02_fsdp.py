@@ -70,9 +70,10 @@ def memory_runs(tmp_path_factory, fsdp2, fsdp4):
     """Per-rank state at world sizes 1, 2, 4 for DDP and FSDP (world 1: plain python)."""
     short = ["--steps", 2]
     runs = {("fsdp", 2): fsdp2["metrics"], ("fsdp", 4): fsdp4["metrics"]}
-    # World of one, from a copy of the file alone in a directory: stdlib + torch only.
+    # World of one, from a copy of the lab and its kit alone in a directory: stdlib + torch.
     alone = tmp_path_factory.mktemp("alone")
     shutil.copy(LABS / f"{LAB}.py", alone)
+    shutil.copytree(LABS / "labkit", alone / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
     run([PYTHON, f"{LAB}.py", *map(str, short), "--metrics-out", "m.json"], cwd=alone)
     runs[("fsdp", 1)] = json.loads((alone / "m.json").read_text())
     for nproc in (0, 2, 4):

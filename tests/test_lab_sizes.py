@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from labkit import metrics, plan
+from labkit import model as kit_model
 from launcher import LABS, PYTHON, load_script, run_all
 
 sys.path.insert(0, str(LABS))
@@ -29,7 +31,7 @@ def config(lab, args, monkeypatch):
 
 
 def num_params(lab, args, monkeypatch):
-    shapes = lab.parameter_shapes(config(lab, args, monkeypatch))
+    shapes = kit_model.parameter_shapes(config(lab, args, monkeypatch))
     return sum(torch.Size(s).numel() for s in shapes.values())
 
 
@@ -99,8 +101,8 @@ def test_plan_8b_on_8_h100_starts_no_process_group(lab02, monkeypatch, capsys):
     def forbidden(*args, **kwargs):
         raise AssertionError("--plan started a process group")
 
-    monkeypatch.setattr(lab02.dist, "init_process_group", forbidden)
-    monkeypatch.setattr(lab02.dist, "TCPStore", forbidden)
+    monkeypatch.setattr(torch.distributed, "init_process_group", forbidden)
+    monkeypatch.setattr(torch.distributed, "TCPStore", forbidden)
     with pytest.raises(SystemExit) as exit_info:
         lab02.main(PLAN_8B)
     assert exit_info.value.code == 0
@@ -116,7 +118,7 @@ def test_the_plan_state_bytes_agree_with_the_course_estimator(lab02, monkeypatch
     """The lab's estimate of params, grads and AdamW state per rank is memory_estimator.py's
     ZeRO-3 figure (the estimator lesson 02 checks against measured bytes)."""
     cfg = config(lab02, ["--model", "8b", "--plan", "--nproc", "8"], monkeypatch)
-    items = lab02.estimate_memory(cfg, lab02.plan_layout(cfg, 8), torch.bfloat16)
+    items = plan.estimate_memory(cfg, lab02.plan_layout(cfg, 8), torch.bfloat16)
     total = num_params(lab02, ["--model", "8b"], monkeypatch)
     expected = memory_estimator.estimate_per_rank(total, 8, "zero3")
     assert items["params (fp32)"] == expected.params_bytes
@@ -158,14 +160,14 @@ def test_flops_per_token_matches_torch_flop_counter(lab02):
     with FlopCounterMode(display=False) as counter:
         (torch.softmax(q @ k.transpose(-2, -1), -1) @ v).sum().backward()
     attention = counter.get_total_flops() * cfg.num_layers
-    assert matmuls + attention == lab02.flops_per_token(cfg, cfg.seq_len) * tokens.numel()
+    assert matmuls + attention == kit_model.flops_per_token(cfg, cfg.seq_len) * tokens.numel()
 
 
 def test_mfu_is_measured_against_a_labelled_peak(lab02):
-    peak, source = lab02.device_peak_flops(torch.device("cpu"), None)
+    peak, source = metrics.device_peak_flops(torch.device("cpu"), None)
     assert peak > 1e8 and source.startswith("measured here: fp32 512x512 matmul")
-    key, spec = lab02.gpu_spec_for("NVIDIA H100 80GB HBM3")
+    key, spec = plan.gpu_spec_for("NVIDIA H100 80GB HBM3")
     assert key == "H100-80GB" and spec["peak_flops"] == 989e12
-    assert lab02.gpu_spec_for("NVIDIA H100 PCIe")[0] == "H100-PCIe-80GB"
-    assert lab02.gpu_spec_for("Tesla V100-SXM2-32GB")[1]["bf16"] is False
-    assert lab02.gpu_spec_for("Some Future GPU") == (None, None)  # no guess
+    assert plan.gpu_spec_for("NVIDIA H100 PCIe")[0] == "H100-PCIe-80GB"
+    assert plan.gpu_spec_for("Tesla V100-SXM2-32GB")[1]["bf16"] is False
+    assert plan.gpu_spec_for("Some Future GPU") == (None, None)  # no guess

@@ -166,8 +166,8 @@ def test_lab_page_includes_the_real_source(site):
     for name in ("PreemptionWatch", "SyntheticSequences", "def init_mesh", "save_dcp_atomically"):
         assert name.split()[-1] in kit, name
     assert "8&lt;--" not in kit
-    lab03 = (site / "labs" / "lab03_tp_fsdp.html").read_text()  # two labs not yet on the kit
-    assert "What changed since" in lab03 and "parallelize_module" in lab03
+    lab02 = (site / "labs" / "lab02_fsdp.html").read_text()  # lab01 and lab02: both on the kit
+    assert "What changed since" in lab02 and "fully_shard" in lab02
 
 
 def numbered_items(markdown):

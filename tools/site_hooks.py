@@ -112,6 +112,8 @@ LAB_PAGE_WORDS = {
                      "torch and the standard library only. A lab is copied together with this "
                      "folder. One module per concern:",
         "kit_line": "The labs on the kit import everything else from [the lab kit](labkit.md).",
+        "kit_changed_body": "Generated at build time; both labs take everything they do not "
+                            "teach from the kit, so the diff is the new technique.",
     },
     "zh": {
         "source": "源码：`labs/{name}`（一个自包含的文件：复制到任何装有 torch 的地方即可运行）。",
@@ -144,6 +146,7 @@ LAB_PAGE_WORDS = {
         "kit_intro": "实验用到但不讲授的一切，只写一次：`labs/labkit/`，只依赖 torch 和标准库。"
                      "复制实验时连同这个文件夹一起复制。每个模块负责一件事：",
         "kit_line": "建立在工具包上的实验，其余的一切都从[实验工具包](labkit.md)导入。",
+        "kit_changed_body": "构建时生成；两个实验都从工具包导入不讲授的部分，所以 diff 就是新技术本身。",
     },
 }
 
@@ -259,7 +262,7 @@ def lab_page(lab, previous, lang="en"):
                                     f"labs/{previous.name}", f"labs/{lab.name}", lineterm="")
         anchor = "what-changed-since-" + previous.name.replace(".", "")
         lines += [f"## {say['changed'].format(previous=previous.name)} {{#{anchor}}}", "",
-                  say["changed_body"], "",
+                  say["kit_changed_body" if lesson_tools.on_kit(lab) else "changed_body"], "",
                   "```diff", *diff,
                   "```", ""]
     return "\n".join(lines)

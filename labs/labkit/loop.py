@@ -1,6 +1,7 @@
-"""The training loop every lab shares: the learning-rate schedule, the step log (losses and
-times read from the device at sync points only), preemption by SIGTERM, and checkpoints at the
-steps --checkpoint-every names. Each lab passes in its own step and save functions."""
+"""The training loop every lab shares: the learning-rate schedule, one optimizer step of
+gradient accumulation, the step log (losses and times read from the device at sync points
+only), preemption by SIGTERM, and checkpoints at the steps --checkpoint-every names. Each lab
+passes in what is its own: how it skips gradient sync, its step and its save."""
 
 import resource
 import signal
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.faults import maybe_inject_failure, maybe_stall
+from labkit.model import loss_fn
 from labkit.runtime import teardown_distributed
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, rerun me"
@@ -63,6 +65,33 @@ class PreemptionWatch:
 
     def _on_sigterm(self, signum, frame):
         self.requested = True
+
+
+def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, gradient_sync):
+    """One optimizer step of cfg.grad_accum micro-steps. gradient_sync(model, enabled) is the
+    lab's: a context that skips gradient communication on all but the last micro-step.
+    Returns (loss on the device, data-wait seconds): nothing here reads a device value on the
+    host, so CUDA keeps running ahead (see StepLog)."""
+    data_s, total_loss = 0.0, 0.0
+    for micro in range(cfg.grad_accum):
+        t0 = time.perf_counter()
+        inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))
+        data_s += time.perf_counter() - t0
+        with gradient_sync(model, micro == cfg.grad_accum - 1):
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits = model(inputs)
+            loss = loss_fn(logits, targets) / cfg.grad_accum
+            scaler.scale(loss).backward()
+        total_loss += loss.detach()
+    if cfg.clip:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+        # On DTensor gradients (FSDP, TP) the norm of the local shards is all-reduced, so
+        # every rank clips by the same global norm.
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    scaler.step(optimizer)  # skips the step if fp16 gradients overflowed (on any rank)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total_loss, data_s
 
 
 class StepLog:
@@ -127,15 +156,27 @@ class StepLog:
         return sum(w["data_s"] for w in self.windows) / max(sum(w["seconds"] for w in self.windows), 1e-9)
 
 
-def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
-    """Steps start_step+1 .. the last: step_fn(step) -> (loss, data seconds); save_fn(step)
-    writes a checkpoint. Logs, checkpoints and preemption happen at StepLog's sync points."""
+def announce(cfg, rank, world_size, device, start_step, *details):
+    """Rank 0's first line: lab | backend x world | device | details... | steps first..last."""
+    if rank == 0:
+        print(" | ".join([cfg.lab, f"{dist.get_backend()} x{world_size}", str(device), *details,
+                          f"steps {start_step + 1}..{cfg.stop_at_step or cfg.steps}"]),
+              flush=True)
+
+
+def train_loop(cfg, rank, device, start_step, optimizers, step_fn, save_fn, loss_divisor):
+    """Steps start_step+1 .. the last, each at learning_rate(step) for every optimizer:
+    step_fn(step) -> (loss on the device, data seconds); save_fn(step) writes a checkpoint.
+    Logs, checkpoints and preemption happen at StepLog's sync points. loss_divisor: the ranks
+    whose losses the log's all-reduce sums (the data-parallel ones). Returns the StepLog."""
     last_step = cfg.stop_at_step or cfg.steps
+    log = StepLog(cfg, device, start_step, last_step, loss_divisor)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     preemption = PreemptionWatch()
     for step in range(start_step + 1, last_step + 1):
         maybe_inject_failure(cfg, step, rank)  # the fault drills; no-ops unless asked for
         maybe_stall(cfg, step, rank, preemption)
+        set_learning_rate(optimizers, cfg, step)
         loss, data_s = step_fn(step)
         preempted = log.add(step, loss, data_s, preemption)
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
@@ -150,3 +191,4 @@ def train_loop(cfg, rank, device, start_step, log, step_fn, save_fn):
                       f"{PREEMPTED_EXIT_CODE}", flush=True)
             teardown_distributed()
             sys.exit(PREEMPTED_EXIT_CODE)
+    return log

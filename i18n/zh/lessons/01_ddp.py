@@ -130,11 +130,12 @@ assert plain_state.keys() == ddp_state.keys() and script_parity <= 1e-5
 # %% [markdown]
 # 得到的是同一个模型，差异只在舍入误差范围内：两个半 batch 梯度的平均值就是整个 batch 的梯度。数据顺序也一致，因为 `DistributedSampler(seed=0)` 和普通脚本的 `RandomSampler` 在每个 epoch 抽出的 `randperm` 相同，而 DDP 的 rank r 从中每隔 `world_size` 个索引取一个。
 #
-# 实验脚本做的是同样的事，再加上长时间训练任务需要的东西：梯度累积（除最后一个微步外都使用 `no_sync()`）、检查点、日志和故障处理。（它的 `init_distributed()` 还会构建一个可以安全重启的 store，原因见[重启时卡死](../runbooks/restart-hang.md)。）
+# 实验脚本做的是同样的事，再加上长时间训练任务需要的东西：梯度累积（除最后一个微步外都使用 `no_sync()`，即它的 `gradient_sync`，由工具包的 `train_step` 在每个微步外层进入）、检查点、日志和故障处理。（它的 `init_distributed()` 还会构建一个可以安全重启的 store，原因见[重启时卡死](../runbooks/restart-hang.md)。）
 
 # %%
 print(inspect.getsource(lab.apply_ddp))
-print(inspect.getsource(lab.train_step))
+print(inspect.getsource(lab.gradient_sync))
+print(inspect.getsource(lab.train_step))  # from the kit: labs/labkit/loop.py
 
 # %% [markdown]
 # ## 桶与 no_sync：数一数 all-reduce 的次数

@@ -221,7 +221,7 @@ print(inspect.getsource(lab.build_fsdp_model))
 #
 # ### 实测：每个 rank 持有的字节数
 #
-# `lessons/fsdp_workers.py` 针对每种策略，用实验脚本自己的函数构建模型，执行一次优化器步，然后把每个 rank 所持张量背后的存储加起来（`lab.measure_state_bytes`）。world size 分别取 1、2、4：
+# `lessons/fsdp_workers.py` 针对每种策略，用实验脚本自己的函数构建模型，执行一次优化器步，然后把每个 rank 所持张量背后的存储加起来（实验工具包探针 `labs/labkit/probes.py` 中的 `measure_state_bytes`）。world size 分别取 1、2、4：
 
 # %%
 measured = {n: run_workers(fsdp_workers.measure_strategies, n, ("ddp", "zero3"), timeout_s=240)
