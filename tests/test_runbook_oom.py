@@ -396,18 +396,17 @@ def test_nccl_groups_take_device_memory_the_allocator_does_not_see():
 def test_a_pure_bf16_lab_model_trains_a_step():
     """#93: apply_rope keeps q and k in their input dtype, so a model cast to bf16 runs (the
     runbook used to say SDPA rejects it)."""
-    import importlib.util
+    from labkit.model import build_model, loss_fn  # the model every lab trains
 
-    spec = importlib.util.spec_from_file_location("lab01_ddp", REPO / "labs" / "lab01_ddp.py")
-    lab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lab)
-    cfg = lab.parse_config([])
-    model = lab.build_model(cfg)
+    import lab01_ddp
+
+    cfg = lab01_ddp.parse_config([])
+    model = build_model(cfg)
     model.init_weights(cfg.seed)
     model = model.to(torch.bfloat16)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
     logits = model(tokens)
-    lab.loss_fn(logits, tokens).backward()
+    loss_fn(logits, tokens).backward()
     assert logits.dtype == torch.bfloat16
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
     assert "SDPA rejects" not in page("oom-mitigations.md")
