@@ -362,8 +362,9 @@ def train(cfg, rank, world_size, device):
     model, optimizer, mesh = build(cfg, world_size, device)
     if mesh:
         inspect_fsdp(model, mesh, cfg)
-    probe = FirstStepBytes(model, optimizer)  # labkit/probes.py: bytes held, from hooks
     start_step = load_checkpoint(cfg, model, optimizer, rank) if cfg.checkpoint_dir else 0
+    # After the load: get_state_dict() runs a fake optimizer step to create the state it loads.
+    probe = FirstStepBytes(model, optimizer)  # labkit/probes.py: bytes held, from hooks
     # --amp is autocast (as in lab01); --mixed-precision is FSDP's own policy, which is what
     # halves the all-gathers. With bf16 params autocast adds little: the matmuls already run
     # in bf16.

@@ -187,6 +187,11 @@ def test_resume_at_another_world_size_continues_the_run(resumed, fsdp4):
     names = sorted(p.name for p in resumed["ckpt"].iterdir())
     assert names == ["run.json", "step_00000009", "step_00000010", f"step_{STEPS:08d}"]
     assert lab.latest_checkpoint(resumed["ckpt"]).name == f"step_{STEPS:08d}"
+    # The byte probes measure the resumed run's first real step, not the state-creating
+    # optimizer step that loading a checkpoint takes (get_state_dict on an empty optimizer).
+    probed = second["metrics"]
+    assert all(probed["unsharded_param_bytes_after_forward"]), probed
+    assert all(v for per_rank in probed["state_bytes_per_rank"].values() for v in per_rank)
 
 
 def test_consolidated_export_loads_in_one_process(resumed, fsdp4):

@@ -43,9 +43,12 @@ def test_a_copied_lab_trains_with_parity_from_an_empty_folder(lab_path, tmp_path
     project.mkdir()
     shutil.copy(lab_path, project)
     shutil.copytree(KIT, project / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
+    # Mark the copied kit, so the run proves it imported this copy and no other.
+    with open(project / "labkit" / "__init__.py", "a") as init:
+        init.write("\n__import__('pathlib').Path(__file__).with_name('imported-here').touch()\n")
     metrics_path = project / "metrics.json"
-    cmd = torchrun_cmd(project / lab_path.name, 2, ["--check-parity", "--metrics-out",
-                                                    metrics_path])
+    cmd = torchrun_cmd(project / lab_path.name, 2, ["--check-parity", "--steps", "8",
+                                                    "--metrics-out", metrics_path])
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}
     proc = subprocess.run(cmd, cwd=project, env={**env, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
@@ -55,3 +58,5 @@ def test_a_copied_lab_trains_with_parity_from_an_empty_folder(lab_path, tmp_path
     assert metrics["lab"] == lab_path.stem and metrics["world_size"] == 2
     assert metrics["parity_max_abs_diff"] <= 1e-5, metrics["parity_max_abs_diff"]
     assert str(LABS) not in proc.stdout + proc.stderr  # nothing ran from the repository
+    if "\nfrom labkit." in lab_path.read_text():
+        assert (project / "labkit" / "imported-here").exists()

@@ -52,11 +52,12 @@ def is_lesson(path):
 
 
 def inputs_hash(lesson):
-    """Hash of the lesson, its helper modules and the labs it runs."""
+    """Hash of the lesson, its helper modules and the labs it runs, with their kit."""
     digest = hashlib.sha256()
     helpers = [p for p in sorted(LESSONS.glob("*.py")) if not p.match(LESSON_GLOB)]
-    for path in [Path(lesson), *helpers, *sorted((ROOT / "labs").glob("*.py"))]:
-        digest.update(path.name.encode() + path.read_bytes())
+    labs = sorted((ROOT / "labs").glob("*.py")) + sorted((ROOT / "labs" / "labkit").glob("*.py"))
+    for path in [Path(lesson), *helpers, *labs]:
+        digest.update(path.relative_to(ROOT).as_posix().encode() + path.read_bytes())
     return digest.hexdigest()
 
 

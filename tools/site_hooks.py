@@ -172,9 +172,12 @@ def lab_with_kit_zip(lab):
 
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        archive.write(lab, f"{lab.stem}/{lab.name}")
-        for module in sorted(KIT.glob("*.py")):
-            archive.write(module, f"{lab.stem}/labkit/{module.name}")
+        for path, name in [(lab, lab.name), *((m, f"labkit/{m.name}") for m in
+                                              sorted(KIT.glob("*.py")))]:
+            # A fixed date: the same sources give the same zip, build after build.
+            entry = zipfile.ZipInfo(f"{lab.stem}/{name}", date_time=(2020, 1, 1, 0, 0, 0))
+            entry.external_attr = 0o644 << 16
+            archive.writestr(entry, path.read_bytes(), zipfile.ZIP_DEFLATED)
     return buffer.getvalue()
 
 

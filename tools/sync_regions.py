@@ -1,9 +1,9 @@
 """Copy each shared region from the first lab that holds it into every other lab.
 
-Labs are copied alone by learners, so the shared code (cli, setup, model, data, metrics, faults,
-...) is duplicated on purpose. Edit a region in the first lab that has it (lab01 for most; lab02
-for mesh and checkpoint, which only the labs that build a mesh or use DCP need), run this, and
-tests/test_shared_regions.py stays green. Usage: python tools/sync_regions.py [--check]
+The labs not yet on the kit (labs/labkit/) are copied alone, so they carry the shared code (cli,
+setup, model, data, metrics, faults, ...) themselves. Edit a region in the first such lab that
+has it (lab03 now), run this, and tests/test_shared_regions.py stays green. It retires with the
+last lab that moves to the kit. Usage: python tools/sync_regions.py [--check]
 """
 
 import re

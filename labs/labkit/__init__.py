@@ -12,8 +12,8 @@ One module per concern:
     runtime     device and precision, process-group init and teardown, the mesh with timeouts
     model       the Llama-style model, its initial values and its FLOPs per token
     data        synthetic sequences, token files, the resumable sampler, per-rank batches
-    loop        learning-rate schedule, one training step, the loop, step log, preemption
-    metrics     log lines, MFU, the metrics JSON and the final summary line
+    loop        learning-rate schedule, one training step, the loop and its log lines, preemption
+    metrics     MFU, the metrics JSON and the final summary line
     checkpoint  atomic checkpoints (one file, or a DCP directory) and finding the newest
     plan        --plan: memory per rank against the GPU table, and refusing what cannot fit
     parity      --check-parity: the same training in one process, compared parameter by parameter

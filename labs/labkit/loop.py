@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from labkit.faults import maybe_inject_failure, maybe_stall
 from labkit.model import loss_fn
-from labkit.runtime import teardown_distributed
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request, checkpoint written, rerun me"
 
@@ -189,6 +188,7 @@ def train_loop(cfg, rank, device, start_step, optimizers, step_fn, save_fn, loss
             if rank == 0:
                 print(f"preempted: checkpoint at step {step} written, exiting "
                       f"{PREEMPTED_EXIT_CODE}", flush=True)
-            teardown_distributed()
+            # No teardown here: the lab's models are still alive in its frames. The exit
+            # unwinds to main()'s finally, whose teardown_distributed() frees them first.
             sys.exit(PREEMPTED_EXIT_CODE)
     return log

@@ -90,7 +90,7 @@ def gather_per_rank(values, world_size):
     return {name: [r[name] for r in everyone] for name in values}
 
 
-def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_state=None,
+def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_state,
                extra=None):
     """The end of every lab's run, on every rank: per-rank peaks and data-wait shares
     gathered, MFU measured (on CPU every rank measures its peak at once, as in training), and

@@ -38,9 +38,11 @@ def unsharded_param_bytes(model):
 
 
 class FirstStepBytes:
-    """Measures the next optimizer step: the unsharded parameter bytes right after the first
-    forward, and the state bytes right after optimizer.step() (before zero_grad frees the
-    gradients). Then its hooks remove themselves. Its values are per rank."""
+    """Measures the first training step that runs: the unsharded parameter bytes right after
+    its first forward, and the state bytes right after optimizer.step() (before zero_grad
+    frees the gradients). Then its hooks remove themselves. Its values are per rank. A step
+    with no forward before it (the fake one get_state_dict() takes to create optimizer state)
+    is not measured, and neither is one that fp16's GradScaler skips (it never calls step)."""
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer, self.values = model, optimizer, {}
@@ -52,6 +54,8 @@ class FirstStepBytes:
         self.values.setdefault("unsharded_after_forward", unsharded_param_bytes(module))
 
     def after_step(self, optimizer, args, kwargs):
+        if "unsharded_after_forward" not in self.values:
+            return  # not a training step
         self.values.update(measure_state_bytes(self.model, self.optimizer))
         for hook in self.hooks:
             hook.remove()
