@@ -57,15 +57,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from labkit.checkpoint import latest_checkpoint, save_dcp_atomically
+from labkit.checkpoint import full_state_dict, latest_checkpoint, save_dcp_atomically
 from labkit.data import micro_batches
 from labkit.errors import fail_config
 from labkit.flags import make_parser, planned_world_size, validate_common
@@ -331,12 +330,6 @@ def load_checkpoint(cfg, model, optimizer, rank):
     return state["step"]
 
 
-def full_state_dict(model):
-    """All ranks all-gather every parameter; rank 0 keeps a plain fp32 CPU copy (others {})."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
-
-
 def export_consolidated(state, path):
     """One torch.save file of plain tensors: `TinyLlama(...).load_state_dict(torch.load(path,
     weights_only=True))` works in a single process, with no torch.distributed at all."""
@@ -390,7 +383,8 @@ def run(cfg, rank, world_size, device, wall_start):
     """Train, export, report (and check parity). Every model, and any DDP reducer, lives and
     dies in here, before the process group goes."""
     model, mesh, log, probe, precision = train(cfg, rank, world_size, device)
-    full_state = functools.cache(lambda: full_state_dict(model))  # a collective, at most once
+    # labkit/checkpoint.py: all-gathers every parameter to rank 0 (a collective), at most once
+    full_state = functools.cache(lambda: full_state_dict(model))
     if cfg.export:
         state = full_state()
         if rank == 0:

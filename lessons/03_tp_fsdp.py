@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 
 import lab03_tp_fsdp as lab  # noqa: E402  (importable: nothing runs at import)
 import tp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+from labkit.probes import CommCounter  # noqa: E402
 from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
@@ -353,7 +354,7 @@ assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
 
 # %%
 tps = [1, 2, 4]
-state = [runs[t, False]["state_bytes_per_rank"][0] for t in tps]
+state = [{k: v[0] for k, v in runs[t, False]["state_bytes_per_rank"].items()} for t in tps]
 acts = [runs[t, False]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
 acts_sp = [runs[t, t > 1]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -379,15 +380,15 @@ assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < act
 # ### Communication per step against tp
 #
 # `CommDebugMode` names every collective. TP's come from DTensor (`c10d_functional.*`), FSDP's
-# from `fully_shard` (`c10d.*`), so one step's traffic splits cleanly. The lab's `CommCounter`
-# counts the bytes each rank *sends*, with lesson 00's ring factors: for a group of n ranks and
-# a full tensor of S bytes, an all-reduce sends 2 (n-1)/n x S, an all-gather or a
-# reduce-scatter (n-1)/n x S. (Counting "the tensor a collective touches" instead mixes two
+# from `fully_shard` (`c10d.*`), so one step's traffic splits cleanly. `CommCounter`, in the lab
+# kit (`labs/labkit/probes.py`), counts the bytes each rank *sends*, with lesson 00's ring
+# factors: for a group of n ranks and a full tensor of S bytes, an all-reduce sends
+# 2 (n-1)/n x S, an all-gather or a reduce-scatter (n-1)/n x S. (Counting "the tensor a collective touches" instead mixes two
 # accountings: DTensor's functional all-gather sees only the local shard, FSDP's sees the
 # gathered output.)
 
 # %%
-print(inspect.getsource(lab.CommCounter.__torch_dispatch__))
+print(inspect.getsource(CommCounter.__torch_dispatch__))
 
 
 def wire_mib(metrics, prefix):

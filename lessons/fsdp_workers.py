@@ -18,7 +18,8 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "labs"))
 import lab02_fsdp as lab  # noqa: E402
 from labkit.loop import train_step  # noqa: E402
-from labkit.probes import FirstStepBytes, layout_report  # noqa: E402
+from labkit.probes import (CommCounter, FirstStepBytes, SavedActivationBytes,  # noqa: E402
+                           layout_report)
 
 # The lab's loss scaler, disabled: these measurements run in fp32 or bf16, which need none.
 FP32 = lab.make_grad_scaler(None, torch.device("cpu"))
@@ -121,16 +122,14 @@ def fsdp_step_trace(rank, world_size):
     """One FSDP step of the lab model (after a warm-up step that builds FSDP's buffers), under
     torch.profiler. FSDP2 labels each phase with record_function ("FSDP::all_gather (layers.0)",
     "FSDP::post_backward_reduce (layers.1)", ...). Returns this rank's labelled intervals in ms
-    from the step's start, and the bytes it sent per collective (lab03's CommCounter: ring
+    from the step's start, and the bytes it sent per collective (labkit's CommCounter: ring
     factors, lesson 00), next to the bytes DDP's all-reduce of the same gradients would send."""
-    import lab03_tp_fsdp as lab03  # its CommCounter counts bytes on the wire per rank
-
     cfg = lab.parse_config(["--steps", "1"])
     torch.manual_seed(cfg.seed)
     model, optimizer, mesh = lab.build(cfg, world_size, torch.device("cpu"))
     batches = lab.micro_batches(cfg, rank, world_size, 0)
     lab_step(model, optimizer, batches, cfg, torch.device("cpu"), None)  # warm-up
-    counter = lab03.CommCounter({"dp": mesh.get_group(), "world": dist.group.WORLD})
+    counter = CommCounter({"dp": mesh.get_group(), "world": dist.group.WORLD})
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with counter:
             lab_step(model, optimizer, batches, cfg, torch.device("cpu"), None)
@@ -164,8 +163,6 @@ def flag_matrix_row(rank, world_size, label, timed_steps=5):
     saves, the dtypes inside forward, the first step's time (compilation, for --compile) and
     the median of the next steps. One row per set of processes: a second mesh over the same
     ranks would reuse the first one's groups, and the counter must know every group."""
-    import lab03_tp_fsdp as lab03  # CommCounter and SavedActivationBytes
-
     device = torch.device("cpu")
     cfg = lab.parse_config([*FLAG_ROWS.get(label, label.split()), "--steps", "1"])
     torch.manual_seed(cfg.seed)
@@ -181,8 +178,8 @@ def flag_matrix_row(rank, world_size, label, timed_steps=5):
     first_s = time.perf_counter() - t0
     hook.remove()
     groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
-    counter = lab03.CommCounter({**groups, "world": dist.group.WORLD})
-    saved, probe = lab03.SavedActivationBytes(model), FirstStepBytes(model, optimizer)
+    counter = CommCounter({**groups, "world": dist.group.WORLD})
+    saved, probe = SavedActivationBytes(model), FirstStepBytes(model, optimizer)
     with counter, saved:
         lab_step(model, optimizer, batches, cfg, device, amp)
     times = []

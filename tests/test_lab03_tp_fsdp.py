@@ -69,7 +69,7 @@ def test_each_rank_holds_its_slice(cell, tmp_path_factory):
     dim, num_heads = metrics["config"]["dim"], metrics["config"]["num_heads"]
     assert metrics["wq_tp_local_width"] == dim // tp  # heads split by TP ...
     assert metrics["local_heads"] == num_heads // tp  # ... without touching module attributes
-    per_rank = [s["params"] for s in metrics["state_bytes_per_rank"]]
+    per_rank = metrics["state_bytes_per_rank"]["params"]  # after the first step (labkit probe)
     # Every parameter is sharded over all dp x tp ranks (the sizes divide evenly here).
     world_total = sum(per_rank)
     assert all(abs(b - world_total / (dp * tp)) <= 0.01 * world_total for b in per_rank), per_rank
@@ -147,12 +147,14 @@ def test_without_warmup_fp32_parity_fails_by_rounding(tmp_path):
 
 
 def test_learning_rate_warms_up_from_zero():
-    lab = load_lab()
-    cfg = lab.parse_config(["--tp", "1", "--lr", "1e-3", "--warmup-steps", "4"])
-    assert [lab.learning_rate(cfg, step) for step in range(1, 7)] == pytest.approx(
+    """The kit's schedule (labkit/loop.py), through this lab's flags."""
+    from labkit.loop import learning_rate
+
+    cfg = load_lab().parse_config(["--tp", "1", "--lr", "1e-3", "--warmup-steps", "4"])
+    assert [learning_rate(cfg, step) for step in range(1, 7)] == pytest.approx(
         [0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
     cfg.warmup_steps = 0
-    assert lab.learning_rate(cfg, 1) == 1e-3
+    assert learning_rate(cfg, 1) == 1e-3
 
 
 def load_lab():
@@ -186,6 +188,7 @@ BAD_INPUTS = [
      "--tp: 2 does not divide --seq-len (with --sequence-parallel) = 33"),
     ("2", ["--tp", "-1"], "--tp: must be >= 0, got -1"),
     ("2", ["--warmup-steps", "-1"], "--warmup-steps: must be >= 0, got -1"),
+    ("2", ["--parity-dtype", "float64"], "--parity-dtype: float64 applies to --check-parity only"),
 ]
 
 
@@ -202,7 +205,7 @@ def refusals():
 
 @pytest.mark.parametrize("world_size,args,message", BAD_INPUTS,
                          ids=["plain-python-tp-2", "tp-3-of-4", "heads", "seq-len", "tp-negative",
-                              "warmup"])
+                              "warmup", "float64-without-parity"])
 def test_bad_input_is_one_line_and_exit_2(world_size, args, message, refusals):
     proc = refusals[(world_size, tuple(args))]
     assert proc.returncode == 2, proc.stderr

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from labkit.faults import maybe_crash_mid_checkpoint
 
@@ -95,3 +96,11 @@ def save_dcp_atomically(cfg, state, step, rank):
     if rank == 0:
         commit(cfg, tmp, final, step)
     dist.barrier()  # nobody races ahead (or reads) while rank 0 is renaming
+
+
+def full_state_dict(model):
+    """Every parameter in full, with the single-process model's names: rank 0 gets a plain
+    CPU copy, the other ranks {}. A collective (it all-gathers each sharded parameter, over
+    every mesh axis): every rank calls it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)

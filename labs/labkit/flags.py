@@ -20,10 +20,15 @@ from labkit.plan import GPU_SPECS
 from labkit.runtime import cuda_has_bf16, local_world_size, pick_device_type, world_size_from_env
 
 
-def make_parser(lab_name, docstring):
-    """The parser of one lab: the common flags, with the lab's name as cfg.lab."""
+def make_parser(lab_name, docstring, count_comms=False):
+    """The parser of one lab: the common flags, with the lab's name as cfg.lab. count_comms:
+    the lab runs its first step in labkit/probes.py's StepCosts, which --count-comms turns on."""
     parser = OneLineErrorParser(description=docstring.splitlines()[0])
-    parser.set_defaults(lab=lab_name)
+    parser.set_defaults(lab=lab_name, count_comms=False)
+    if count_comms:
+        parser.add_argument("--count-comms", action="store_true",
+                            help="measure step 1: collectives by type (CommDebugMode) and saved "
+                                 "activation bytes")
     add_common_args(parser)
     add_parity_args(parser)
     add_drill_args(parser)

@@ -3,6 +3,7 @@ gradient accumulation, the step log (losses and times read from the device at sy
 only), preemption by SIGTERM, and checkpoints at the steps --checkpoint-every names. Each lab
 passes in what is its own: how it skips gradient sync, its step and its save."""
 
+import contextlib
 import resource
 import signal
 import sys
@@ -10,6 +11,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from labkit.faults import maybe_inject_failure, maybe_stall
 from labkit.model import loss_fn
@@ -68,7 +70,8 @@ class PreemptionWatch:
 
 def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, gradient_sync):
     """One optimizer step of cfg.grad_accum micro-steps. gradient_sync(model, enabled) is the
-    lab's: a context that skips gradient communication on all but the last micro-step.
+    lab's: a context around each micro-step's forward, loss and backward, which skips gradient
+    communication on all but the last one (enabled=False).
     Returns (loss on the device, data-wait seconds): nothing here reads a device value on the
     host, so CUDA keeps running ahead (see StepLog)."""
     data_s, total_loss = 0.0, 0.0
@@ -81,16 +84,40 @@ def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, gradie
                 logits = model(inputs)
             loss = loss_fn(logits, targets) / cfg.grad_accum
             scaler.scale(loss).backward()
-        total_loss += loss.detach()
+        loss = loss.detach()  # a replicated DTensor under TP's loss_parallel: the same everywhere
+        total_loss += loss.to_local() if isinstance(loss, DTensor) else loss
     if cfg.clip:
         scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-        # On DTensor gradients (FSDP, TP) the norm of the local shards is all-reduced, so
-        # every rank clips by the same global norm.
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        clip_grad_norm_(model.parameters(), cfg.clip)
     scaler.step(optimizer)  # skips the step if fp16 gradients overflowed (on any rank)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total_loss, data_s
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm):
+    """torch.nn.utils.clip_grad_norm_, for gradients on different meshes too. On DTensor
+    gradients (FSDP, TP) the norm of the local shards is all-reduced over the mesh, so every
+    rank clips by the same global norm. Under TP without sequence parallel the norm weights
+    live on "dp" only and the TP'd weights on ("dp", "tp"), and one torch.stack cannot mix
+    meshes: sum squares per mesh, then combine.
+
+    On a 2-D mesh, full_tensor() reduces one axis after the other, and DTensor logs (once)
+    "2 sequential all_reduce operations will be performed ... flatten mesh dimensions". It is a
+    latency hint: each all-reduce carries one scalar, once per step. The result is the same on
+    every rank, because each all-reduce hands all members of a group the same bits."""
+    groups = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    # One mesh (DDP, FSDP): its norm as it is, bit for bit what clip_grad_norm_ computes.
+    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
+    return total_norm
 
 
 class StepLog:
@@ -163,11 +190,13 @@ def announce(cfg, rank, world_size, device, start_step, *details):
               flush=True)
 
 
-def train_loop(cfg, rank, device, start_step, optimizers, step_fn, save_fn, loss_divisor):
+def train_loop(cfg, rank, device, start_step, optimizers, step_fn, save_fn, loss_divisor,
+               first_step_probe=None):
     """Steps start_step+1 .. the last, each at learning_rate(step) for every optimizer:
     step_fn(step) -> (loss on the device, data seconds); save_fn(step) writes a checkpoint.
     Logs, checkpoints and preemption happen at StepLog's sync points. loss_divisor: the ranks
-    whose losses the log's all-reduce sums (the data-parallel ones). Returns the StepLog."""
+    whose losses the log's all-reduce sums (the data-parallel ones). first_step_probe: a
+    context the first step runs in (labkit/probes.py's StepCosts). Returns the StepLog."""
     last_step = cfg.stop_at_step or cfg.steps
     log = StepLog(cfg, device, start_step, last_step, loss_divisor)
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -176,7 +205,9 @@ def train_loop(cfg, rank, device, start_step, optimizers, step_fn, save_fn, loss
         maybe_inject_failure(cfg, step, rank)  # the fault drills; no-ops unless asked for
         maybe_stall(cfg, step, rank, preemption)
         set_learning_rate(optimizers, cfg, step)
-        loss, data_s = step_fn(step)
+        measured = first_step_probe if first_step_probe and step == start_step + 1 else None
+        with measured or contextlib.nullcontext():
+            loss, data_s = step_fn(step)
         preempted = log.add(step, loss, data_s, preemption)
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
             print(log.log(tokens_per_step), flush=True)

@@ -91,12 +91,13 @@ def gather_per_rank(values, world_size):
 
 
 def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_state,
-               extra=None):
+               extra=None, dp_size=None):
     """The end of every lab's run, on every rank: per-rank peaks and data-wait shares
     gathered, MFU measured (on CPU every rank measures its peak at once, as in training), and
     --check-parity, where full_state() gives rank 0 every parameter in full (it may be a
-    collective: every rank calls it). Rank 0 writes --metrics-out and prints the summary; a
-    failed parity check exits non-zero."""
+    collective: every rank calls it). dp_size: the ranks that split each batch, whose streams
+    the reference replays (default: all; TP ranks share one). Rank 0 writes --metrics-out and
+    prints the summary; a failed parity check exits non-zero."""
     # Per rank: a straggler shows up as one rank with a much higher data-wait share.
     per_rank = gather_per_rank({"peak": peak_memory_bytes(device),
                                 "data_share": log.data_share()}, world_size)
@@ -105,7 +106,7 @@ def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_s
     if cfg.check_parity:
         state = full_state()
         if rank == 0:
-            parity, ref_losses = check_parity(cfg, state, world_size, device)
+            parity, ref_losses = check_parity(cfg, state, dp_size or world_size, device)
     dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
     if rank != 0:
         return

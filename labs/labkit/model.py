@@ -138,12 +138,20 @@ class TinyLlama(nn.Module):
 
 
 def loss_fn(logits, targets):
-    """Next-token cross-entropy, in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Next-token cross-entropy, in fp32 at least (bf16 logits lose the loss's precision;
+    float64 stays float64 for --parity-dtype float64)."""
+    logits = logits.flatten(0, 1)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                           targets.flatten())
 
 
 def build_model(cfg):
-    return TinyLlama(cfg)
+    """TinyLlama in fp32, or in float64 for `--check-parity --parity-dtype float64` (then the
+    parallel run and its single-process reference both run in it; see labkit/parity.py)."""
+    model = TinyLlama(cfg)
+    if getattr(cfg, "check_parity", False) and getattr(cfg, "parity_dtype", "") == "float64":
+        model.to(torch.float64)
+    return model
 
 
 def parameter_shapes(cfg):

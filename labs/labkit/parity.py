@@ -19,10 +19,15 @@ def add_parity_args(parser):
     arg("--check-parity", action="store_true",
         help="retrain in one process on the same global batches and compare parameters")
     arg("--parity-tol", type=float, default=1e-5, help="max |param diff| allowed by --check-parity")
+    arg("--parity-dtype", choices=["float32", "float64"], default="float32",
+        help="dtype of this run and the reference under --check-parity: float64 removes "
+             "rounding, to tell a bug (a gap in both) from rounding (a gap in float32 only)")
 
 
 def validate_parity_args(cfg):
     refuse_negative(cfg, ["parity_tol"])
+    if cfg.parity_dtype == "float64" and not cfg.check_parity:
+        fail_config("--parity-dtype", "float64 applies to --check-parity only")
     if cfg.check_parity and not cfg.plan and compute_dtype(cfg, pick_device_type(cfg)) is not None:
         fail_config("--check-parity", "needs fp32 (--amp off): bf16/fp16 rounding is far above 1e-5")
 

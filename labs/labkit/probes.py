@@ -1,10 +1,16 @@
-"""Byte and layout probes: what each rank holds, measured from the tensors themselves, for the
-lessons and tests that compare it with the formula. They attach from outside, with hooks, so a
-lab's training step holds no probe code."""
+"""Probes: what each rank holds and what one step costs it, measured from the tensors and
+the collectives themselves, for the lessons and tests that compare them with the formula. They
+attach from outside (hooks, or a context the kit's loop runs the first step in), so a lab's
+training step holds no probe code."""
+
+import contextlib
+import warnings
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 from labkit.metrics import gather_per_rank
 
@@ -78,3 +84,144 @@ def layout_report(model):
     dist.all_gather_object(gathered, mine)
     return {name: [*mine[name][:2], [g[name][2] for g in gathered]] for name in mine}
 
+
+
+class CommCounter(CommDebugMode):
+    """CommDebugMode counts collectives by type (and per module); this also counts the bytes
+    each rank sends for them, with lesson 00's ring factors for a group of n ranks and a full
+    tensor of S bytes (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter:
+    the unreduced input): all-reduce 2 (n-1)/n x S, all-gather and reduce-scatter (n-1)/n x S.
+    TP's collectives come from DTensor as c10d_functional.* ops, which see only the local
+    input (for an all-gather: one shard, S / n); FSDP's and the loss average come as c10d.*
+    ops, which see both buffers. Counting wire bytes, not "the largest argument", is what
+    makes the two comparable."""
+
+    def __init__(self, groups):
+        """groups: {label: ProcessGroup}, every group the step may use (a mesh axis each)."""
+        super().__init__()
+        self.groups = {g.group_name: (label, g.size()) for label, g in groups.items()}
+        self.wire_bytes = Counter()           # by op
+        self.wire_bytes_by_group = Counter()  # by (group label, op)
+        self._quiet = warnings.catch_warnings()
+
+    def __enter__(self):
+        # CommDebugMode tracks modules with a global full-backward pre-hook, which wraps each
+        # module's outputs in a view: FSDP2 then warns that its root "returned a view tensor",
+        # and torch that the hook fires "with respect to module outputs" (the token ids need no
+        # gradient). Both come from the instrument, not the training step: keep them out of
+        # the output of the runs that count bytes.
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        warnings.filterwarnings("ignore", message=r"Full backward hook is firing when gradients")
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._quiet.__exit__(*exc)
+
+    def group_of(self, args):
+        for a in args:
+            if isinstance(a, str) and a in self.groups:  # functional: the group's name
+                return self.groups[a]
+            if isinstance(a, torch.ScriptObject):  # c10d: the ProcessGroup itself
+                with contextlib.suppress(RuntimeError):  # (the ReduceOp is one too)
+                    return self.groups[dist.ProcessGroup.unbox(a).group_name]
+        raise ValueError(f"none of the groups given is among the arguments: {args}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = Counter(self.comm_counts)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for op in Counter(self.comm_counts) - before:
+            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]
+            (label, n), largest, name = self.group_of(args), max(t.nbytes for t in tensors), str(op)
+            if "all_reduce" in name or "allreduce" in name:
+                sent = 2 * (n - 1) / n * largest
+            elif name == "c10d_functional.all_gather_into_tensor":  # its input is one shard
+                sent = (n - 1) * largest
+            elif "gather" in name or "scatter" in name:
+                sent = (n - 1) / n * largest
+            else:
+                sent = largest
+            self.wire_bytes[name] += int(sent)
+            self.wire_bytes_by_group[f"{label} {name}"] += int(sent)
+        return out
+
+    def block_counts(self, block_name):
+        found = [v for k, v in self.comm_module_counts.items() if k.endswith(block_name)]
+        assert len(found) == 1, (block_name, list(self.comm_module_counts))
+        return {phase: {str(op): n for op, n in found[0][phase].items()}
+                for phase in ("forward", "backward")}
+
+
+class SavedActivationBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes autograd keeps for backward on this rank (storages counted once; parameters and
+    their views excluded): the activation memory that TP and SP divide. counting(): whether
+    a tensor saved now counts (default: always)."""
+
+    def __init__(self, model, counting=lambda: True):
+        self.total, seen = 0, set()
+
+        def storage_key(tensor):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            try:
+                storage = local.untyped_storage()
+                return storage.data_ptr(), storage.nbytes()
+            except RuntimeError:  # a wrapper (an in-flight collective's result) has no storage
+                return id(local), local.nbytes
+
+        def pack(tensor):
+            key, nbytes = storage_key(tensor)
+            if (counting() and key not in seen
+                    and key not in {storage_key(p)[0] for p in model.parameters()}):
+                seen.add(key)
+                self.total += nbytes
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+
+class StepCosts:
+    """--count-comms: the context the kit's loop runs the first step in (train_loop's
+    first_step_probe). It counts that step's collectives by type, by mesh axis and per block
+    (CommCounter), and the activation bytes the first micro-batch saves for backward
+    (SavedActivationBytes). A no-op without --count-comms."""
+
+    def __init__(self, cfg, model, mesh):
+        self.enabled, self.model, self.values = cfg.count_comms, model, {}
+        self.groups = ({name: mesh.get_group(name) for name in mesh.mesh_dim_names}
+                       if self.enabled else {})
+
+    @contextlib.contextmanager
+    def _measure(self):
+        counter = CommCounter({**self.groups, "world": dist.group.WORLD})
+        forwards = Counter()  # micro-batches started: only the first one's saved bytes count
+        hook = self.model.register_forward_pre_hook(lambda *_: forwards.update(["model"]))
+        saved = SavedActivationBytes(self.model, counting=lambda: forwards["model"] <= 1)
+        try:
+            with counter, saved:
+                yield
+        finally:
+            hook.remove()
+        self.values = {
+            "activation_bytes": saved.total,
+            "comm_counts_per_step": {str(op): n for op, n in counter.comm_counts.items()},
+            "comm_wire_bytes_per_step": dict(counter.wire_bytes),
+            "comm_wire_bytes_per_step_by_group": dict(counter.wire_bytes_by_group),
+            "comm_counts_block0": counter.block_counts("layers.0")}
+
+    def __enter__(self):
+        self._context = self._measure() if self.enabled else contextlib.nullcontext()
+        return self._context.__enter__()
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+    def report(self, world_size):
+        """The metrics fields (a collective when enabled: every rank calls it)."""
+        if not self.enabled:
+            return {}
+        activations = gather_per_rank({"bytes": self.values.pop("activation_bytes")}, world_size)
+        return {"activation_bytes_per_rank": activations["bytes"], **self.values}

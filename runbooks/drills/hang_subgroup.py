@@ -11,7 +11,7 @@ Four ranks form a (dp, tp) = (2, 2) mesh. Every rank prints the timeout of each 
 --stall-rank sleeps --stall-s seconds while the others all_reduce over their "tp" group.
   --mesh init_device_mesh   the axes report 0:30:00; the all_reduce simply waits out the stall
                             (no error at all, however long it is below 30 min)
-  --mesh with-timeout       the fix, the labs' init_mesh (imported from lab03): each axis
+  --mesh with-timeout       the fix, the labs' init_mesh (labkit/runtime.py): each axis
                             built with new_subgroups_by_enumeration(timeout=...) and wrapped
                             in DeviceMesh.from_group; the waiting ranks fail after
                             --timeout-s with an error that names the axis it waited on
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "labs"))
-from lab03_tp_fsdp import init_mesh  # noqa: E402  (the fix, exactly as the labs run it)
+from labkit.runtime import init_mesh  # noqa: E402  (the fix, exactly as the labs run it)
 
 MESH_SHAPE, MESH_DIM_NAMES = (2, 2), ("dp", "tp")
 

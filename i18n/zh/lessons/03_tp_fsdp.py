@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 
 import lab03_tp_fsdp as lab  # noqa: E402  (importable: nothing runs at import)
 import tp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+from labkit.probes import CommCounter  # noqa: E402
 from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
@@ -305,7 +306,7 @@ assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
 
 # %%
 tps = [1, 2, 4]
-state = [runs[t, False]["state_bytes_per_rank"][0] for t in tps]
+state = [{k: v[0] for k, v in runs[t, False]["state_bytes_per_rank"].items()} for t in tps]
 acts = [runs[t, False]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
 acts_sp = [runs[t, t > 1]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -330,10 +331,10 @@ assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < act
 #
 # `CommDebugMode` 会记下每个集合通信的名字。TP 的集合通信来自 DTensor（`c10d_functional.*`），FSDP 的来自 `fully_shard`（`c10d.*`），所以一步的通信量可以干净地拆开。
 #
-# 实验中的 `CommCounter` 按第 00 课的环形系数统计每个 rank *发送*的字节数：对 n 个 rank 的组和 S 字节的完整张量，all-reduce 发送 2 (n-1)/n x S，all-gather 或 reduce-scatter 发送 (n-1)/n x S。（如果改为统计“集合通信经手的张量”，就会混用两种口径：DTensor 的函数式 all-gather 只看到本地分片，而 FSDP 的 all-gather 看到的是聚合后的输出。）
+# 实验工具包（`labs/labkit/probes.py`）中的 `CommCounter` 按第 00 课的环形系数统计每个 rank *发送*的字节数：对 n 个 rank 的组和 S 字节的完整张量，all-reduce 发送 2 (n-1)/n x S，all-gather 或 reduce-scatter 发送 (n-1)/n x S。（如果改为统计“集合通信经手的张量”，就会混用两种口径：DTensor 的函数式 all-gather 只看到本地分片，而 FSDP 的 all-gather 看到的是聚合后的输出。）
 
 # %%
-print(inspect.getsource(lab.CommCounter.__torch_dispatch__))
+print(inspect.getsource(CommCounter.__torch_dispatch__))
 
 
 def wire_mib(metrics, prefix):
