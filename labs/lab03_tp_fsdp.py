@@ -50,7 +50,8 @@ Use it in your project:
     `--seq-len` with SP), see `validate_tp()`. Attention must take its head count from the
     local width, as `Attention` does. With SP, a norm left out of the plan trains, wrongly
     (`--check-parity` after 10 steps: 2.6e-2, not 1.2e-7). full_tensor and unshard are
-    collectives: call them on every rank, as `full_parameters()` does (runbooks/collective-timeout.md).
+    collectives: call them on every rank, as `full_parameters()` does
+    (runbooks/collective-timeout.md).
 """
 
 import contextlib
@@ -282,9 +283,10 @@ def inspect_tp_fsdp(model, cfg, tp_size):
 
 
 def save_checkpoint(cfg, model, optimizer, step, rank):
-    # Every rank writes only its own shards (no gather to rank 0; labkit: tmp dir, then rename);
-    # the file names record each shard's global offsets, so any other mesh shape can load it. RNG state is not saved:
-    # nothing here draws random numbers after init, and the data order is a function of step.
+    # Every rank writes only its own shards (no gather to rank 0; labkit: tmp dir, then
+    # rename); the file names record each shard's global offsets, so any other mesh shape can
+    # load it. RNG state is not saved: nothing here draws random numbers after init, and the
+    # data order is a function of step.
     model_state, optim_state = get_state_dict(model, optimizer)
     save_dcp_atomically(cfg, {"model": model_state, "optim": optim_state}, step, rank)
 

@@ -69,13 +69,15 @@ def test_fsdp_gathers_in_the_compute_dtype_by_default_on_cuda(labs, monkeypatch)
     assert lab.fsdp_param_dtype(lab.parse_config(["--mixed-precision", "fp32"]), "cuda") is None
 
 
-def test_the_pipeline_timeline_probe_is_off_on_cuda(labs):
-    """Timing each action synchronises the GPU around it; the CPU runs synchronously anyway."""
-    lab = labs["lab04_pipeline"]
+def test_the_pipeline_timeline_probe_is_off_on_cuda():
+    """Timing each action synchronises the GPU around it; the CPU runs synchronously anyway.
+    The probe is the kit's (labkit/timeline.py), which the pipeline labs attach."""
+    from labkit.timeline import timeline_enabled
+
     cfg = argparse.Namespace(timeline="auto")
-    assert lab.timeline_enabled(cfg, torch.device("cpu"))
-    assert not lab.timeline_enabled(cfg, argparse.Namespace(type="cuda"))
-    assert lab.timeline_enabled(argparse.Namespace(timeline="on"), argparse.Namespace(type="cuda"))
+    assert timeline_enabled(cfg, torch.device("cpu"))
+    assert not timeline_enabled(cfg, argparse.Namespace(type="cuda"))
+    assert timeline_enabled(argparse.Namespace(timeline="on"), argparse.Namespace(type="cuda"))
 
 
 @pytest.mark.parametrize("lab_path", LAB_PATHS, ids=lambda p: p.stem)

@@ -215,11 +215,12 @@ def test_lab_lesson_and_decision_guide_put_pp_across_nodes():
 
 
 def test_the_replay_range_is_stated_the_same_everywhere():
-    """The lesson's body and summary and the lab's docstring quote one measured range."""
+    """The lesson's body and summary and the timeline probe's docstring (labkit/timeline.py)
+    quote one measured range."""
     import re
 
     lesson = " ".join((REPO / "lessons" / "04_pipeline.py").read_text().replace("#", " ").split())
-    lab_source = " ".join((LABS / f"{LAB}.py").read_text().split())
+    lab_source = " ".join((LABS / "labkit" / "timeline.py").read_text().split())
     assert lesson.count(REPLAY_RANGE) == 2 and REPLAY_RANGE in lab_source
     # No other range of replayed bubbles survives anywhere.
     assert not re.search(r"replay\w* within 0\.\d\d", lesson + lab_source)

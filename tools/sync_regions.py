@@ -2,7 +2,7 @@
 
 The labs not yet on the kit (labs/labkit/) are copied alone, so they carry the shared code (cli,
 setup, model, data, metrics, faults, ...) themselves. Edit a region in the first such lab that
-has it (lab04 now), run this, and tests/test_shared_regions.py stays green. It retires with the
+has it (lab05 now), run this, and tests/test_shared_regions.py stays green. It retires with the
 last lab that moves to the kit. Usage: python tools/sync_regions.py [--check]
 """
 

@@ -17,6 +17,7 @@ One module per concern:
     checkpoint  atomic checkpoints (one file, or a DCP directory) and finding the newest
     plan        --plan: memory per rank against the GPU table, and refusing what cannot fit
     parity      --check-parity: the same training in one process, compared parameter by parameter
-    probes      the bytes each rank holds and the layout, measured through hooks
+    probes      the bytes each rank holds, one step's collectives (--count-comms), the layout
+    timeline    --timeline: when each pipeline action ran, the bubble, saved activation bytes
     faults      the fault drills (--fail-at-step, --stall-at-step, --crash-in-checkpoint)
 """

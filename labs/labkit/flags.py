@@ -18,17 +18,21 @@ from labkit.model import MODEL_PRESETS
 from labkit.parity import add_parity_args, validate_parity_args
 from labkit.plan import GPU_SPECS
 from labkit.runtime import cuda_has_bf16, local_world_size, pick_device_type, world_size_from_env
+from labkit.timeline import add_timeline_args
 
 
-def make_parser(lab_name, docstring, count_comms=False):
+def make_parser(lab_name, docstring, count_comms=False, timeline=False):
     """The parser of one lab: the common flags, with the lab's name as cfg.lab. count_comms:
-    the lab runs its first step in labkit/probes.py's StepCosts, which --count-comms turns on."""
+    the lab runs its first step in labkit/probes.py's StepCosts, which --count-comms turns on.
+    timeline: the lab is a pipeline with labkit/timeline.py's probe (--timeline)."""
     parser = OneLineErrorParser(description=docstring.splitlines()[0])
     parser.set_defaults(lab=lab_name, count_comms=False)
     if count_comms:
         parser.add_argument("--count-comms", action="store_true",
                             help="measure step 1: collectives by type (CommDebugMode) and saved "
                                  "activation bytes")
+    if timeline:
+        add_timeline_args(parser)
     add_common_args(parser)
     add_parity_args(parser)
     add_drill_args(parser)

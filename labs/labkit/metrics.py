@@ -90,23 +90,28 @@ def gather_per_rank(values, world_size):
     return {name: [r[name] for r in everyone] for name in values}
 
 
-def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_state,
-               extra=None, dp_size=None):
+def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_state=None,
+               extra=None, dp_size=None, own_parity=None):
     """The end of every lab's run, on every rank: per-rank peaks and data-wait shares
     gathered, MFU measured (on CPU every rank measures its peak at once, as in training), and
     --check-parity, where full_state() gives rank 0 every parameter in full (it may be a
     collective: every rank calls it). dp_size: the ranks that split each batch, whose streams
-    the reference replays (default: all; TP ranks share one). Rank 0 writes --metrics-out and
-    prints the summary; a failed parity check exits non-zero."""
+    the reference replays (default: all; TP ranks share one). own_parity: instead of
+    full_state, for labs whose ranks check their own parameters (pipelines): called on every
+    rank, it returns (metrics fields, the worst difference, what that is the worst of). Rank 0
+    writes --metrics-out and prints the summary; a failed parity check exits non-zero."""
     # Per rank: a straggler shows up as one rank with a much higher data-wait share.
     per_rank = gather_per_rank({"peak": peak_memory_bytes(device),
                                 "data_share": log.data_share()}, world_size)
     usage = utilisation(cfg, log, world_size, device, amp_dtype)
-    parity, ref_losses = None, None
-    if cfg.check_parity:
+    fields, worst, detail = {"reference_losses": None, "parity_max_abs_diff": None}, None, ""
+    if cfg.check_parity and own_parity:
+        fields, worst, detail = own_parity()
+    elif cfg.check_parity:
         state = full_state()
         if rank == 0:
-            parity, ref_losses = check_parity(cfg, state, dp_size or world_size, device)
+            worst, ref_losses = check_parity(cfg, state, dp_size or world_size, device)
+            fields = {"reference_losses": ref_losses, "parity_max_abs_diff": worst}
     dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
     if rank != 0:
         return
@@ -114,10 +119,9 @@ def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_s
                "peak_mem_bytes_per_rank": per_rank["peak"],
                "data_share_per_rank": per_rank["data_share"],
                # labs/perf_model.py counts gradient bytes from these, importing no lab
-               "parameter_shapes": parameter_shapes(cfg), **(extra or {}),
-               "reference_losses": ref_losses, "parity_max_abs_diff": parity,
+               "parameter_shapes": parameter_shapes(cfg), **(extra or {}), **fields,
                "parity_tol": cfg.parity_tol}
     if cfg.metrics_out:
         write_json_atomic(cfg.metrics_out, metrics)
     print(summary_line(metrics), flush=True)
-    exit_if_parity_fails(parity, cfg.parity_tol)
+    exit_if_parity_fails(worst, cfg.parity_tol, detail)

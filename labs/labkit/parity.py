@@ -6,6 +6,8 @@ would."""
 import sys
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from labkit.data import micro_batches
 from labkit.errors import fail_config, refuse_negative
@@ -84,3 +86,100 @@ def check_parity(cfg, full_state, world_size, device):
 def exit_if_parity_fails(parity, tolerance, detail=""):
     if parity is not None and parity > tolerance:
         sys.exit(f"parity check failed: max |param diff| {parity:.2e} > {tolerance:.0e}{detail}")
+
+
+# Pipelines: each rank holds different layers, so every rank checks its own against the
+# (small) reference, and one all-reduce finds the worst.
+def named_full_tensors(modules, grads=False):
+    """{name: full tensor} of this rank's parameters (or their gradients). With FSDP,
+    full_tensor() all-gathers the shards over dp: every dp rank calls it in the same order."""
+    out = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            value = param.grad if grads else param
+            if value is not None:
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                out[name] = value.detach().cpu().clone()  # clipping is in place
+    return out
+
+
+class FirstStepGrads:
+    """For --check-parity on a pipeline: every gradient this rank holds, in full, right after
+    the run's first schedule.step() (before clipping), if that is step 1 (a resumed run has
+    none). It wraps the schedule's step; the lab's step holds no parity code."""
+
+    def __init__(self, cfg, stages, schedule, start_step):
+        self.values = {}
+        if not cfg.check_parity or start_step != 0:
+            return
+        step = schedule.step
+
+        def step_then_capture(*args, **kwargs):
+            out = step(*args, **kwargs)
+            self.values = named_full_tensors([s.submod for s in stages], grads=True)
+            schedule.step = step  # once
+            return out
+        schedule.step = step_then_capture
+
+
+def train_pipeline_reference(cfg, num_steps, order):
+    """The single-process run a pipeline must match: the whole model, same init, and each
+    step accumulates the gradient of every microbatch of every dp replica in one process, then
+    divides by their number (what scale_grads and FSDP's reduce-scatter average compute).
+    `order` is the microbatch order the stage accumulated in (LoopedBFS runs backward last
+    microbatch first): fp32 sums depend on order, and Adam turns a last-bit difference in a
+    gradient entry near zero into a visible parameter difference."""
+    model = build_model(cfg)
+    model.init_weights(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    streams = [micro_batches(cfg, r, cfg.dp, 0) for r in range(cfg.dp)]
+    num_chunks = cfg.dp * cfg.microbatches
+    losses, first_grads = [], None
+    for step in range(1, num_steps + 1):
+        total = 0.0
+        for stream in streams:
+            inputs, targets = next(stream)
+            chunks = list(zip(inputs.chunk(cfg.microbatches), targets.chunk(cfg.microbatches)))
+            for x, y in (chunks[k] for k in order):
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                total += loss.item() / num_chunks
+        for p in model.parameters():
+            p.grad.div_(num_chunks)
+        if step == 1:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if cfg.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        set_learning_rate([optimizer], cfg, step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return dict(model.named_parameters()), first_grads, losses
+
+
+def check_pipeline_parity(cfg, stages, first_grads, losses, timeline):
+    """Every rank retrains the (small) reference itself and compares the parameters it holds;
+    one all-reduce MAX gives the worst difference anywhere. For finish_run's own_parity:
+    returns (metrics fields, the worst difference, what it is the worst of)."""
+    modules = [s.submod for s in stages]
+    # The order this rank's first stage accumulated microbatch gradients in (in B, or in W
+    # when the schedule splits backward), read off the timeline.
+    order = [e[2] for e in (timeline.steps[-1] if timeline.steps else []) if e[0] in ("B", "W")
+             and e[1] == stages[0].stage_index]
+    ref_params, ref_grads, ref_losses = train_pipeline_reference(
+        cfg, losses[-1][0], order or range(cfg.microbatches))
+    params = named_full_tensors(modules)
+    param_diff = max((params[n] - ref_params[n].detach()).abs().max().item() for n in params)
+    grad_diff = max(((first_grads[n] - ref_grads[n]).abs().max().item() for n in first_grads),
+                    default=-1.0)  # -1: no step 1 in this run (resumed)
+    loss_diff = max(abs(loss - ref_losses[step - 1]) for step, loss in losses)
+    device = next(modules[0].parameters()).device  # NCCL reduces only tensors on the GPU
+    worst = torch.tensor([param_diff, grad_diff, loss_diff], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    param_diff, grad_diff, loss_diff = worst.tolist()
+    grad_diff = None if grad_diff < 0 else grad_diff  # resumed: no step 1 here
+    fields = {"parity_max_abs_diff": param_diff, "reference_losses": ref_losses,
+              "grad_parity_max_abs_diff": grad_diff, "loss_parity_max_abs_diff": loss_diff}
+    detail = (f" (the worst of params {param_diff:.1e}, step-1 grads {grad_diff}, "
+              f"losses {loss_diff:.1e})")
+    return fields, max(d for d in (param_diff, grad_diff, loss_diff) if d is not None), detail
