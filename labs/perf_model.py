@@ -88,7 +88,7 @@ def fsdp_collectives(unit_param_bytes, gather_bytes_per_param=4, reduce_bytes_pe
 
 # Passes over a parameter-sized fp32 tensor in one optimizer step, each read or write counted:
 # clip_grad_norm_ (read the grads for the norm, read and write them to scale: 3) and AdamW's
-# single-tensor loop on CPU (torch/optim/adamw.py, _single_tensor_adam: the decoupled decay
+# single-tensor loop on CPU (torch/optim/adam.py, _single_tensor_adam: the decoupled decay
 # 2, exp_avg lerp 3, exp_avg_sq mul + addcmul 3 + 3, the denominator sqrt / add 2 + 2, the
 # update addcdiv 4: 19). Memory-bound: it runs at the machine's copy bandwidth, not its FLOPs.
 OPTIMIZER_PASSES = 3 + 19

@@ -159,8 +159,9 @@ assert plans[512][1]["total"] < plans[64][1]["total"] < 0.9 * 80
 #   allocated or sharded.
 # - **TP before FSDP**: `parallelize_module` turns each weight into a DTensor sharded over "tp";
 #   `fully_shard` then shards that again over "dp" (2-D placements). FSDP's all-gather over dp
-#   rebuilds exactly the tp slice that TP's hooks expect. The other way round, TP would see
-#   FSDP's flat shards.
+#   rebuilds exactly the tp slice that TP's hooks expect. The other way round, TP's plan would
+#   meet parameters that FSDP had already turned into dp-sharded DTensors (FSDP2 keeps each
+#   parameter as a `Shard(0)` DTensor, with no flat buffer), not the plain weights it splits.
 # - **Materialise last**: `to_empty` allocates only the local shard, and every shard is filled
 #   with its slice of the same initial weights the single-process reference gets.
 

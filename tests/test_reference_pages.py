@@ -311,6 +311,10 @@ def test_torchrun_warns_about_master_addr_and_node_rank_only_when_the_page_says(
     text = squash(WRONG_ADVICE.read_text())
     assert "only when no `--rdzv-endpoint` is given" in text
     assert "only when `--node-rank` is not 0" in text
+    launching = squash((REPO / "docs" / "reference" / "launching.md").read_text())
+    assert "torchrun logs a warning saying so" not in launching  # the old, unconditional claim
+    assert ("about `master_addr` when no `--rdzv-endpoint` is given, about `node_rank` when it "
+            "is not 0") in launching
 
 
 def test_c10d_rendezvous_ranks_nodes_by_sorted_descriptor_not_join_order():
@@ -395,3 +399,23 @@ def test_reshard_after_forward_defaults_to_none_true_except_the_root():
     assert "If ``None``, it is set to ``True`` for non-root modules and ``False`` for root modules." in doc
     glossary = squash((REFERENCE / "glossary.md").read_text())
     assert "The default, `None`, means `True` for every module but the root" in glossary
+
+
+def test_graceful_exit_is_a_closed_rendezvous_seen_from_the_redundancy_list():
+    """Errata 14: RendezvousGracefulExitError is raised when the rendezvous is closed and this
+    node is on the redundancy list (where a join lands once the round has max_nodes), not
+    whenever "the world was already full"; both editions of the error table say so."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    join = squash(inspect.getsource(dr._RendezvousJoinOp.__call__))
+    closed = join.index("if state.closed: if ctx.node in state.redundancy_list:")
+    assert join.index("is closed, terminating pending rendezvous.") > closed
+    assert join.index("raise RendezvousGracefulExitError(msg)") > closed
+    assert "return _Action.ADD_TO_REDUNDANCY_LIST" in join
+    for page in (REPO / "runbooks" / "errors.md", REPO / "i18n" / "zh" / "runbooks" / "errors.md"):
+        row = next(line for line in page.read_text().splitlines()
+                   if line.startswith("| `RendezvousGracefulExitError`"))
+        assert "redundancy" in row or "冗余列表" in row, row
+        assert "already full" not in row and "已经满员" not in row, row

@@ -136,7 +136,7 @@ assert plans[512][1]["total"] < plans[64][1]["total"] < 0.9 * 80
 # 实验按 torchtitan 的方式构建每个阶段：`pipeline_llm()` 把模型切成若干阶段模块，然后对每个模块调用它的 `parallelize_fn`，后者先应用张量并行，最后应用 FSDP（见 torchtitan 的 `torchtitan/distributed/pipeline_parallel.py` 和 `models/llama3/parallelize.py`，commit b5bcd76）。顺序很重要：
 #
 # - **先切分**：每个阶段只保留自己的层，而且放在 meta 设备上，所以其余的层从头到尾都不会被分配内存，也不会被分片。
-# - **先 TP 后 FSDP**：`parallelize_module` 把每个权重变成在 "tp" 上分片的 DTensor；`fully_shard` 再把它在 "dp" 上分片一次（二维放置方式）。FSDP 在 dp 上做 all-gather，还原出的恰好是 TP 的 hook 所期望的那个 tp 切片。顺序反过来的话，TP 看到的就会是 FSDP 的扁平分片。
+# - **先 TP 后 FSDP**：`parallelize_module` 把每个权重变成在 "tp" 上分片的 DTensor；`fully_shard` 再把它在 "dp" 上分片一次（二维放置方式）。FSDP 在 dp 上做 all-gather，还原出的恰好是 TP 的 hook 所期望的那个 tp 切片。顺序反过来的话，TP 的方案遇到的就是已经被 FSDP 变成在 dp 上分片的 DTensor 的参数（FSDP2 把每个参数保存为 `Shard(0)` 的 DTensor，没有扁平缓冲区），而不是它要在 tp 上切分的普通权重。
 # - **最后物化**：`to_empty` 只为本地分片分配内存，然后每个分片都从同一份初始权重中取出属于自己的那一块来填充；单进程参考拿到的也是这份初始权重。
 
 # %%
