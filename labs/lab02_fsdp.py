@@ -34,9 +34,10 @@ DCP. labkit/ holds the rest once (flags, model, data, the loop, metrics, --plan,
 
 Use it in your project:
   - Replace: `build_model()` (run on the meta device by `build_fsdp_model()`); the loop over
-    `model.layers` in `apply_fsdp()` (one unit per block of yours); `init_sharded_weights()`,
-    which fills each shard from `initial_value()` (pretrained weights: dcp.load into the
-    sharded model, as `load_checkpoint()` does); `SyntheticSequences`; `loss_fn()`.
+    `model.layers` in `apply_fsdp()` (one unit per block of yours); `init_sharded_weights()`
+    (labkit/model.py), which fills each shard from `initial_value()` (pretrained weights:
+    dcp.load into the sharded model, as `load_checkpoint()` does); `SyntheticSequences`;
+    `loss_fn()`.
   - Keep: the order in `build_fsdp_model()`: meta device, fully_shard on blocks then the root,
     to_empty, fill (runbooks/oom-distributed-causes.md); `build_optimizer()` after it;
     `gradient_sync()`; DCP `save_checkpoint()` / `load_checkpoint()` (tmp dir, then rename;
@@ -52,8 +53,6 @@ import contextlib
 import datetime
 import functools
 import math
-import os
-from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,15 +61,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 
-from labkit.checkpoint import full_state_dict, latest_checkpoint, save_dcp_atomically
+from labkit.checkpoint import (export_consolidated, full_state_dict, latest_checkpoint,
+                              save_dcp_atomically)
 from labkit.data import micro_batches
 from labkit.errors import fail_config
 from labkit.flags import make_parser, planned_world_size, validate_common
 from labkit.loop import announce, train_loop, train_step
 from labkit.metrics import finish_run
-from labkit.model import build_model, initial_value
+from labkit.model import apply_block_options, build_model, init_sharded_weights
 from labkit.plan import plan_or_refuse
 from labkit.probes import FirstStepBytes, layout_report
 from labkit.runtime import (compute_dtype, init_mesh, launch, make_grad_scaler,
@@ -80,7 +79,7 @@ LAB_NAME = "lab02_fsdp"
 
 
 def parse_config(argv=None):
-    parser = make_parser(LAB_NAME, __doc__)
+    parser = make_parser(LAB_NAME, __doc__, block_options=True)
     arg = parser.add_argument
     arg("--strategy", choices=["fsdp", "ddp", "zero1"], default="fsdp",
         help="fsdp: fully_shard (ZeRO-3); ddp: full replica; zero1: DDP + ZeroRedundancyOptimizer")
@@ -89,17 +88,10 @@ def parse_config(argv=None):
     arg("--mixed-precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
         help="FSDP's MixedPrecisionPolicy: params gathered and used in this dtype, grads "
              "reduced in fp32; auto = the --amp choice (bf16 on a GPU that has it, fp32 on cpu)")
-    arg("--activation-checkpointing", action="store_true",
-        help="recompute each block's activations in backward instead of storing them")
     arg("--cpu-offload", action="store_true",
         help="keep sharded params, grads and optimizer step on the CPU (CPUOffloadPolicy)")
     arg("--hsdp", type=int, default=0, metavar="R",
         help="HSDP: replicate across R groups, shard within each (0: plain FSDP)")
-    arg("--compile", action="store_true", help="torch.compile each block before sharding")
-    arg("--compile-backend", default="inductor",
-        help="torch.compile backend (aot_eager skips code generation; useful to bisect)")
-    arg("--export", default="",
-        help="write one consolidated state dict file here at the end (loads in one process)")
     cfg = parser.parse_args(argv)
     world_size = planned_world_size(cfg)
     validate_common(cfg, world_size, dp_size=world_size)  # HSDP too: every rank has its own data
@@ -165,21 +157,6 @@ def build_mesh(cfg, device, world_size):
     return init_mesh(device.type, (world_size,), ("dp",), timeout)
 
 
-def apply_activation_checkpointing(model):
-    # torch.utils.checkpoint, non-reentrant: store only each block's input, recompute the rest
-    # in backward. Wrapping forward in place (not in a wrapper module) keeps parameter names,
-    # so init, checkpoints and the single-process reference all agree.
-    for block in model.layers.values():
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-
-
-def apply_compile(model, backend):
-    # Per block, in place: the blocks are identical, so one compiled graph is reused, and the
-    # FSDP hooks added later stay outside it (they are dynamo-disabled, graph breaks are fine).
-    for block in model.layers.values():
-        block.compile(backend=backend)
-
-
 def apply_fsdp(model, mesh, cfg, device):
     """fully_shard bottom-up: each block is one communication unit (one all-gather in forward,
     one all-gather + one reduce-scatter in backward); the root call groups what is left
@@ -206,38 +183,10 @@ def apply_fsdp(model, mesh, cfg, device):
     return model
 
 
-def shard_of(full, dtensor):
-    """The slice of `full` that this rank holds in `dtensor`: torch.chunk along each Shard
-    dim, as DTensor lays it out (trailing ranks get fewer, or zero, rows)."""
-    local, coordinate = full, dtensor.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(dtensor.placements):
-        if isinstance(placement, Shard):
-            chunks = torch.chunk(local, dtensor.device_mesh.size(mesh_dim), dim=placement.dim)
-            index = coordinate[mesh_dim]
-            local = chunks[index] if index < len(chunks) else local.narrow(placement.dim, 0, 0)
-    return local
-
-
-@torch.no_grad()
-def init_sharded_weights(model, seed):
-    """Fill each rank's shards with the values a single process would have. Trade-off: every
-    rank computes one full parameter at a time (extra memory: the largest parameter; CPU work
-    repeated on every rank; no communication at all). distribute_tensor(full, mesh, placements)
-    would instead scatter rank 0's copy (one compute, one collective per parameter). A real
-    large model skips both: it loads its shards from a DCP checkpoint."""
-    for name, param in model.named_parameters():
-        local = shard_of(initial_value(name, param.shape, seed), param)
-        assert param.to_local().shape == local.shape, (name, param.to_local().shape, local.shape)
-        param.to_local().copy_(local)
-
-
 def build_fsdp_model(cfg, mesh, device):
     with torch.device("meta"):  # shapes only: no rank allocates the full model
         model = build_model(cfg)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if cfg.compile:
-        apply_compile(model, cfg.compile_backend)
+    apply_block_options(model, cfg)  # labkit: --activation-checkpointing, --compile
     apply_fsdp(model, mesh, cfg, device)
     # Allocate only the local shards, then fill them.
     model.to_empty(device="cpu" if cfg.cpu_offload else device)
@@ -249,10 +198,7 @@ def build_replicated_model(cfg, device):
     """The baselines: every rank holds the whole model (DDP all-reduces gradients)."""
     model = build_model(cfg).to(device)
     model.init_weights(cfg.seed)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if cfg.compile:
-        apply_compile(model, cfg.compile_backend)
+    apply_block_options(model, cfg)  # labkit: --activation-checkpointing, --compile
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
@@ -328,16 +274,6 @@ def load_checkpoint(cfg, model, optimizer, rank):
     if rank == 0:
         print(f"resumed from {path} at step {state['step']} ({samples} samples seen)", flush=True)
     return state["step"]
-
-
-def export_consolidated(state, path):
-    """One torch.save file of plain tensors: `TinyLlama(...).load_state_dict(torch.load(path,
-    weights_only=True))` works in a single process, with no torch.distributed at all."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
 
 
 def build(cfg, world_size, device):

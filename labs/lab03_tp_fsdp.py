@@ -33,8 +33,8 @@ Lesson: lessons/03_tp_fsdp.py. Runbooks: runbooks/ (OOM, NCCL hangs).
 Copy it: this file and the folder labkit/ beside it (torch and the standard library only).
 This file is 2D parallelism, in the order it happens: the (dp, tp) mesh, the TP plan per block
 and for the root, parallelize_module, fully_shard over "dp", the weights filled shard by
-shard, the loss-parallel step, and DCP that loads into another mesh shape. labkit/ holds the
-rest once (flags, model, data, the loop, metrics, --plan, the probes).
+shard, and the loss-parallel step. labkit/ holds the rest once (flags, model, data, the loop,
+metrics, DCP checkpoints that load into another mesh shape, --plan, the probes).
 
 Use it in your project:
   - Replace: the keys of `block_plan()` and `root_plan()` with your module names
@@ -43,8 +43,8 @@ Use it in your project:
   - Keep: `apply_tp()` before `apply_fsdp()` (FSDP shards the TP shards again, over "dp");
     "tp" as the last axis in `build_mesh()`, so a TP group is consecutive ranks of one node:
     `--tp` at most the GPUs per node; data split over "dp" only (TP ranks need the same
-    batch); the per-mesh `clip_grad_norm_()` (labkit/loop.py); DCP checkpoints (load into
-    another mesh shape); the warmup in `learning_rate()` (labkit/loop.py; without it, fp32
+    batch); the per-mesh `clip_grad_norm_()` (labkit/loop.py); DCP checkpoints
+    (labkit/checkpoint.py; they load into another mesh shape); the warmup in `learning_rate()` (labkit/loop.py; without it, fp32
     parity with TP fails by ~1e-4).
   - Pitfalls: `--tp` must divide the heads, `--dim`, the MLP width, `--vocab-size` (and
     `--seq-len` with SP), see `validate_tp()`. Attention must take its head count from the
@@ -61,15 +61,13 @@ import inspect
 from fnmatch import fnmatch
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
-from labkit.checkpoint import latest_checkpoint, save_dcp_atomically
+from labkit.checkpoint import load_sharded, save_sharded
 from labkit.data import micro_batches
 from labkit.errors import fail_config
 from labkit.flags import apply_model_preset, make_parser, planned_world_size, validate_common
@@ -282,32 +280,6 @@ def inspect_tp_fsdp(model, cfg, tp_size):
             "local_heads": local_width // head_dim}
 
 
-def save_checkpoint(cfg, model, optimizer, step, rank):
-    # Every rank writes only its own shards (no gather to rank 0; labkit: tmp dir, then
-    # rename); the file names record each shard's global offsets, so any other mesh shape can
-    # load it. RNG state is not saved: nothing here draws random numbers after init, and the
-    # data order is a function of step.
-    model_state, optim_state = get_state_dict(model, optimizer)
-    save_dcp_atomically(cfg, {"model": model_state, "optim": optim_state}, step, rank)
-
-
-def load_checkpoint(cfg, model, optimizer, rank):
-    path = latest_checkpoint(cfg.checkpoint_dir)
-    if path is None:
-        return 0
-    # Resharding on load: each rank asks for the slices its own (dp, tp) placements cover, and
-    # DCP reads them from whichever shard files hold them. The mesh may differ from the saver's.
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    step = int(path.name.split("_")[1])
-    if rank == 0:
-        print(f"resumed from {path} at step {step}", flush=True)
-    return step
-
-
 def full_parameters(model):
     """{name: full tensor} of every parameter, for --check-parity. Collectives, so every rank
     takes part: FSDP's all-gather over "dp" gives the tp-local weights, then full_tensor()
@@ -334,7 +306,7 @@ def train(cfg, rank, world_size, device):
     model = build_parallel_model(cfg, mesh, device)
     extra = {"mesh": [dp_size, tp_size], **inspect_tp_fsdp(model, cfg, tp_size)}
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    start_step = load_checkpoint(cfg, model, optimizer, rank)
+    start_step = load_sharded(cfg, model, optimizer, rank)  # labkit/checkpoint.py: DCP
     probes = FirstStepBytes(model, optimizer), StepCosts(cfg, model, mesh)  # labkit/probes.py
     # Low precision: FSDP already gathers bf16 weights. Autocast is kept as in lab01 (--amp).
     low = compute_dtype(cfg, device.type)
@@ -350,7 +322,7 @@ def train(cfg, rank, world_size, device):
     log = train_loop(
         cfg, rank, device, start_step, [optimizer],
         lambda step: train_step(model, optimizer, scaler, batches, cfg, device, low, sync),
-        lambda step: save_checkpoint(cfg, model, optimizer, step, rank),
+        lambda step: save_sharded(cfg, model, optimizer, step, rank),
         loss_divisor=world_size, first_step_probe=probes[1])
     for probe in probes:
         extra.update(probe.report(world_size))

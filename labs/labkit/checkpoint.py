@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_state_dict)
 
 from labkit.faults import maybe_crash_mid_checkpoint
 
@@ -104,3 +105,43 @@ def full_state_dict(model):
     every mesh axis): every rank calls it."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
+
+
+# A sharded model and its optimizer through DCP, for the labs whose subject is not
+# checkpointing (lab02 writes its own out, with the RNG state and the samples seen).
+def save_sharded(cfg, model, optimizer, step, rank):
+    # Every rank writes only its own shards (no gather to rank 0; labkit: tmp dir, then
+    # rename); the file names record each shard's global offsets, so any other mesh shape can
+    # load it. RNG state is not saved: nothing here draws random numbers after init, and the
+    # data order is a function of step.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    save_dcp_atomically(cfg, {"model": model_state, "optim": optim_state}, step, rank)
+
+
+def load_sharded(cfg, model, optimizer, rank):
+    """Resume a model of DTensors and its optimizer from the newest complete checkpoint, on
+    any mesh shape. Returns the step it was saved at (0: none)."""
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    if path is None:
+        return 0
+    # Resharding on load: each rank asks for the slices its own (dp, tp) placements cover, and
+    # DCP reads them from whichever shard files hold them. The mesh may differ from the saver's.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    step = int(path.name.split("_")[1])
+    if rank == 0:
+        print(f"resumed from {path} at step {step}", flush=True)
+    return step
+
+
+def export_consolidated(state, path):
+    """One torch.save file of plain tensors: `TinyLlama(...).load_state_dict(torch.load(path,
+    weights_only=True))` works in a single process, with no torch.distributed at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)

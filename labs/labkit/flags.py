@@ -21,10 +21,11 @@ from labkit.runtime import cuda_has_bf16, local_world_size, pick_device_type, wo
 from labkit.timeline import add_timeline_args
 
 
-def make_parser(lab_name, docstring, count_comms=False, timeline=False):
+def make_parser(lab_name, docstring, count_comms=False, timeline=False, block_options=False):
     """The parser of one lab: the common flags, with the lab's name as cfg.lab. count_comms:
     the lab runs its first step in labkit/probes.py's StepCosts, which --count-comms turns on.
-    timeline: the lab is a pipeline with labkit/timeline.py's probe (--timeline)."""
+    timeline: the lab is a pipeline with labkit/timeline.py's probe (--timeline).
+    block_options: the lab applies labkit/model.py's apply_block_options and exports (--export)."""
     parser = OneLineErrorParser(description=docstring.splitlines()[0])
     parser.set_defaults(lab=lab_name, count_comms=False)
     if count_comms:
@@ -33,10 +34,23 @@ def make_parser(lab_name, docstring, count_comms=False, timeline=False):
                                  "activation bytes")
     if timeline:
         add_timeline_args(parser)
+    if block_options:
+        add_block_options(parser)
     add_common_args(parser)
     add_parity_args(parser)
     add_drill_args(parser)
     return parser
+
+
+def add_block_options(parser):
+    arg = parser.add_argument
+    arg("--activation-checkpointing", action="store_true",
+        help="recompute each block's activations in backward instead of storing them")
+    arg("--compile", action="store_true", help="torch.compile each block before sharding")
+    arg("--compile-backend", default="inductor",
+        help="torch.compile backend (aot_eager skips code generation; useful to bisect)")
+    arg("--export", default="",
+        help="write one consolidated state dict file here at the end (loads in one process)")
 
 
 def add_common_args(parser):

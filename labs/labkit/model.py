@@ -1,12 +1,15 @@
 """The model every lab trains: a small Llama-style decoder (RMSNorm, RoPE attention with
 grouped-query heads, SwiGLU), its size presets, its initial values, and its FLOPs per token."""
 
+import functools
 import math
 import zlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import checkpoint
 
 # Llama-shaped sizes. debug is what every test and lesson trains (a CPU step in milliseconds).
 # 1b has Llama-3.2-1B's shape but an untied output layer (1.50B parameters, not 1.24B); 8b has
@@ -169,3 +172,55 @@ def flops_per_token(cfg, seq_len):
     matmul_params = sum(math.prod(s) for n, s in shapes.items()
                         if len(s) == 2 and "embeddings" not in n)
     return 6 * matmul_params + 12 * cfg.num_layers * cfg.dim * seq_len
+
+
+# Per-block model transforms for the FSDP labs (--activation-checkpointing, --compile; the flags
+# come from labkit/flags.py's make_parser(block_options=True)). Both act in place, before
+# sharding, so parameter names stay those of the single-process model.
+def apply_activation_checkpointing(model):
+    # torch.utils.checkpoint, non-reentrant: store only each block's input, recompute the rest
+    # in backward. Wrapping forward in place (not in a wrapper module) keeps parameter names,
+    # so init, checkpoints and the single-process reference all agree.
+    for block in model.layers.values():
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def apply_compile(model, backend):
+    # Per block, in place: the blocks are identical, so one compiled graph is reused, and the
+    # FSDP hooks added later stay outside it (they are dynamo-disabled, graph breaks are fine).
+    for block in model.layers.values():
+        block.compile(backend=backend)
+
+
+def apply_block_options(model, cfg):
+    """--activation-checkpointing and --compile, per block, in place, before sharding."""
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.compile:
+        apply_compile(model, cfg.compile_backend)
+
+
+# Filling a model that was sharded on the meta device.
+def shard_of(full, dtensor):
+    """The slice of `full` that this rank holds in `dtensor`: torch.chunk along each Shard
+    dim, as DTensor lays it out (trailing ranks get fewer, or zero, rows)."""
+    local, coordinate = full, dtensor.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(dtensor.placements):
+        if isinstance(placement, Shard):
+            chunks = torch.chunk(local, dtensor.device_mesh.size(mesh_dim), dim=placement.dim)
+            index = coordinate[mesh_dim]
+            local = chunks[index] if index < len(chunks) else local.narrow(placement.dim, 0, 0)
+    return local
+
+
+@torch.no_grad()
+def init_sharded_weights(model, seed):
+    """Fill each rank's shards with the values a single process would have. Trade-off: every
+    rank computes one full parameter at a time (extra memory: the largest parameter; CPU work
+    repeated on every rank; no communication at all). distribute_tensor(full, mesh, placements)
+    would instead scatter rank 0's copy (one compute, one collective per parameter). A real
+    large model skips both: it loads its shards from a DCP checkpoint."""
+    for name, param in model.named_parameters():
+        local = shard_of(initial_value(name, param.shape, seed), param)
+        assert param.to_local().shape == local.shape, (name, param.to_local().shape, local.shape)
+        param.to_local().copy_(local)
