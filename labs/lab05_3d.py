@@ -878,27 +878,30 @@ def summary_line(metrics):
 # Dense bf16 tensor-core peaks (no sparsity), as in torchtitan's get_peak_flops
 # (torchtitan/tools/utils.py), from NVIDIA's datasheets; fp16 for the GPUs without bf16.
 # Memory is the nominal size on the box. Keys are what --plan --gpu takes; "match" finds the
-# entry for torch.cuda.get_device_name() (first match wins, most specific first).
+# entry for torch.cuda.get_device_name(): every token in the name's tokens, none of "unless"
+# (first match wins, most specific first).
 GPU_SPECS = {
     "B200-180GB": dict(match=("b200",), memory_gb=180, peak_flops=2.25e15, bf16=True),
-    "H200-141GB": dict(match=("h200",), memory_gb=141, peak_flops=989e12, bf16=True),
+    "H200-141GB": dict(match=("h200",), unless=("nvl",), memory_gb=141, peak_flops=989e12,
+                       bf16=True),
     "H100-NVL-94GB": dict(match=("h100", "nvl"), memory_gb=94, peak_flops=835e12, bf16=True),
     "H100-PCIe-80GB": dict(match=("h100", "pcie"), memory_gb=80, peak_flops=756e12, bf16=True),
     "H100-80GB": dict(match=("h100",), memory_gb=80, peak_flops=989e12, bf16=True),
-    "A100-80GB": dict(match=("a100", "80"), memory_gb=80, peak_flops=312e12, bf16=True),
+    "A100-80GB": dict(match=("a100", "80gb"), memory_gb=80, peak_flops=312e12, bf16=True),
     "A100-40GB": dict(match=("a100",), memory_gb=40, peak_flops=312e12, bf16=True),
     "L40S-48GB": dict(match=("l40s",), memory_gb=48, peak_flops=362e12, bf16=True),
     "L4-24GB": dict(match=("l4",), memory_gb=24, peak_flops=121e12, bf16=True),
-    "V100-32GB": dict(match=("v100",), memory_gb=32, peak_flops=125e12, bf16=False),
+    "V100-32GB": dict(match=("v100", "32gb"), memory_gb=32, peak_flops=125e12, bf16=False),
     "T4-16GB": dict(match=("t4",), memory_gb=16, peak_flops=65e12, bf16=False),
 }
 
 
 def gpu_spec_for(device_name):
-    """(key, spec) of GPU_SPECS for a device name, or (None, None): no guess for an unknown GPU."""
-    name = device_name.lower()
+    """(key, spec) of GPU_SPECS for a device name, or (None, None): no guess for an unknown GPU.
+    Whole tokens of the name, not substrings: "NVIDIA L40" is not an L4, "GH200" not an H200."""
+    tokens = set("".join(c if c.isalnum() else " " for c in device_name.lower()).split())
     for key, spec in GPU_SPECS.items():
-        if all(part in name for part in spec["match"]):
+        if set(spec["match"]) <= tokens and not set(spec.get("unless", ())) & tokens:
             return key, spec
     return None, None
 

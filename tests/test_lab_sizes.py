@@ -171,3 +171,33 @@ def test_mfu_is_measured_against_a_labelled_peak(lab02):
     assert plan.gpu_spec_for("NVIDIA H100 PCIe")[0] == "H100-PCIe-80GB"
     assert plan.gpu_spec_for("Tesla V100-SXM2-32GB")[1]["bf16"] is False
     assert plan.gpu_spec_for("Some Future GPU") == (None, None)  # no guess
+
+
+# What torch.cuda.get_device_name() returns on each GPU in GPU_SPECS (NVIDIA's product names as
+# the driver reports them), and names that share a substring with an entry but are another GPU.
+DEVICE_NAMES = {
+    "NVIDIA B200": "B200-180GB", "NVIDIA H200": "H200-141GB", "NVIDIA H100 NVL": "H100-NVL-94GB",
+    "NVIDIA H100 PCIe": "H100-PCIe-80GB", "NVIDIA H100 80GB HBM3": "H100-80GB",
+    "NVIDIA A100-SXM4-80GB": "A100-80GB", "NVIDIA A100 80GB PCIe": "A100-80GB",
+    "NVIDIA A100-SXM4-40GB": "A100-40GB", "NVIDIA A100-PCIE-40GB": "A100-40GB",
+    "NVIDIA L40S": "L40S-48GB", "NVIDIA L4": "L4-24GB", "Tesla V100-SXM2-32GB": "V100-32GB",
+    "Tesla T4": "T4-16GB",
+}
+NEAR_MISSES = ["NVIDIA L40", "NVIDIA GH200 480GB", "NVIDIA H200 NVL", "Tesla V100-SXM2-16GB",
+               "NVIDIA A10", "NVIDIA A40", "NVIDIA RTX A4000", "NVIDIA GeForce RTX 4090"]
+
+
+@pytest.mark.parametrize("name, key", DEVICE_NAMES.items())
+def test_every_gpu_entry_matches_its_device_name(name, key):
+    assert plan.gpu_spec_for(name)[0] == key
+
+
+def test_every_gpu_entry_has_a_device_name_in_the_test():
+    assert set(DEVICE_NAMES.values()) == set(plan.GPU_SPECS)
+
+
+@pytest.mark.parametrize("name", NEAR_MISSES)
+def test_a_near_miss_name_gets_no_entry(name):
+    """Errata: "NVIDIA L40" matched L4-24GB (121 TFLOP/s for MFU) and "GH200" matched the H200;
+    a GPU not in the table gets no peak rather than a neighbour's."""
+    assert plan.gpu_spec_for(name) == (None, None)
