@@ -35,9 +35,8 @@ DCP. labkit/ holds the rest once (flags, model, data, the loop, metrics, --plan,
 Use it in your project:
   - Replace: `build_model()` (run on the meta device by `build_fsdp_model()`); the loop over
     `model.layers` in `apply_fsdp()` (one unit per block of yours); `init_sharded_weights()`
-    (labkit/model.py), which fills each shard from `initial_value()` (pretrained weights:
-    dcp.load into the sharded model, as `load_checkpoint()` does); `SyntheticSequences`;
-    `loss_fn()`.
+    (labkit; pretrained weights: dcp.load into the sharded model, as `load_checkpoint()`
+    does); `SyntheticSequences`; `loss_fn()`.
   - Keep: the order in `build_fsdp_model()`: meta device, fully_shard on blocks then the root,
     to_empty, fill (runbooks/oom-distributed-causes.md); `build_optimizer()` after it;
     `gradient_sync()`; DCP `save_checkpoint()` / `load_checkpoint()` (tmp dir, then rename;

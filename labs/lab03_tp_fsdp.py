@@ -43,15 +43,13 @@ Use it in your project:
   - Keep: `apply_tp()` before `apply_fsdp()` (FSDP shards the TP shards again, over "dp");
     "tp" as the last axis in `build_mesh()`, so a TP group is consecutive ranks of one node:
     `--tp` at most the GPUs per node; data split over "dp" only (TP ranks need the same
-    batch); the per-mesh `clip_grad_norm_()` (labkit/loop.py); DCP checkpoints
-    (labkit/checkpoint.py; they load into another mesh shape); the warmup in `learning_rate()` (labkit/loop.py; without it, fp32
-    parity with TP fails by ~1e-4).
+    batch); from labkit: the per-mesh `clip_grad_norm_()`, DCP checkpoints that load into
+    another mesh shape, the warmup in `learning_rate()` (without it, parity fails by ~1e-4).
   - Pitfalls: `--tp` must divide the heads, `--dim`, the MLP width, `--vocab-size` (and
     `--seq-len` with SP), see `validate_tp()`. Attention must take its head count from the
     local width, as `Attention` does. With SP, a norm left out of the plan trains, wrongly
     (`--check-parity` after 10 steps: 2.6e-2, not 1.2e-7). full_tensor and unshard are
-    collectives: call them on every rank, as `full_parameters()` does
-    (runbooks/collective-timeout.md).
+    collectives: on every rank, as in `full_parameters()` (runbooks/collective-timeout.md).
 """
 
 import contextlib
