@@ -349,8 +349,11 @@ def report_failure(run, exc, count, elapsed):
     lines = str(exc).strip().splitlines()
     original = f" | original: {lines[-1]}" if len(lines) > 1 else ""
     traceback.print_exc()
-    print(f"\n{run.label()}: failed after {elapsed:.2f} s at batch {count}: "
-          f"{type(exc).__name__}: {lines[0]}{original}{fds}", file=sys.stderr, flush=True)
+    # One write, newline included: print() writes the line and its end separately, and a
+    # worker's traceback landing between the two would be glued onto this line.
+    sys.stderr.write(f"\n{run.label()}: failed after {elapsed:.2f} s at batch {count}: "
+                     f"{type(exc).__name__}: {lines[0]}{original}{fds}\n")
+    sys.stderr.flush()
 
 
 # --- command line --------------------------------------------------------------------------
