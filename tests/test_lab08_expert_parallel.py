@@ -73,7 +73,7 @@ def test_dp2_ep2_with_accumulation_and_dropping_matches_one_process(dp2_ep2):
     # Experts: whole experts split over ep (dim 0), their rows over dp (dim 1).
     placements, shape, local = metrics["layout"]["layers.0.feed_forward.experts.w1"]
     assert placements == "(Shard(dim=1), Shard(dim=0))"
-    assert shape == [8, 256, 64] and local == [4, 128, 64]
+    assert shape == [8, 256, 64] and local == [[4, 128, 64]] * 4  # on each of the 4 ranks
     placements, _, _ = metrics["layout"]["layers.0.feed_forward.router.weight"]
     assert placements == "(Shard(dim=0),)"
 
@@ -93,7 +93,8 @@ def test_a_resume_from_ep4_at_dp2_ends_where_one_process_does(resumed):
     (["--num-experts", "6", "--ep", "4"], 4, "--num-experts"),
     (["--top-k", "9"], 2, "--top-k"),  # 8 experts
     (["--capacity-factor", "-1"], 2, "--capacity-factor"),
-    (["--check-parity", "--mixed-precision", "bf16"], 2, "--check-parity"),
+    (["--check-parity", "--amp", "bf16"], 2, "--check-parity"),
+    (["--mixed-precision", "bf16"], 2, "--mixed-precision"),  # lab02's knob (unrecognized)
 ])
 def test_a_bad_layout_is_one_clear_line_and_exit_2(args, world_size, flag):
     lines = refusal_lines(LAB, args, world_size)

@@ -48,7 +48,7 @@ PYTHON = sys.executable
 LABS = ("lab01_ddp", "lab02_fsdp", "lab03_tp_fsdp", "lab04_pipeline", "lab05_3d",
         "lab07_context_parallel", "lab08_expert_parallel")
 # Labs whose FSDP MixedPrecisionPolicy (--mixed-precision) follows --amp: fp32 for parity.
-FSDP_POLICY_LABS = ("lab02_fsdp", "lab08_expert_parallel")  # lab07 follows --amp alone
+FSDP_POLICY_LABS = ("lab02_fsdp",)  # labs 07 and 08 follow --amp alone
 NO_GPU = ("gpu-check: no CUDA GPU visible (torch.cuda.is_available() is False): nothing to "
           "check; run it on a GPU machine")
 PIPELINE_SKIP = "the pipeline lab needs >= 2 GPUs"

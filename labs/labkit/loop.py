@@ -68,10 +68,13 @@ class PreemptionWatch:
         self.requested = True
 
 
-def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, gradient_sync):
+def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, gradient_sync,
+               compute_loss=None, grad_norms=None):
     """One optimizer step of cfg.grad_accum micro-steps. gradient_sync(model, enabled) is the
     lab's: a context around each micro-step's forward, loss and backward, which skips gradient
-    communication on all but the last one (enabled=False).
+    communication on all but the last one (enabled=False). compute_loss(model, logits,
+    targets): a lab whose loss is more than next-token cross-entropy (lab08 adds the experts'
+    balancing loss). grad_norms: a list that gets each step's gradient norm before clipping.
     Returns (loss on the device, data-wait seconds): nothing here reads a device value on the
     host, so CUDA keeps running ahead (see StepLog)."""
     data_s, total_loss = 0.0, 0.0
@@ -82,13 +85,16 @@ def train_step(model, optimizer, scaler, batches, cfg, device, amp_dtype, gradie
         with gradient_sync(model, micro == cfg.grad_accum - 1):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits = model(inputs)
-            loss = loss_fn(logits, targets) / cfg.grad_accum
+            loss = (compute_loss(model, logits, targets) if compute_loss
+                    else loss_fn(logits, targets)) / cfg.grad_accum
             scaler.scale(loss).backward()
         loss = loss.detach()  # a replicated DTensor under TP's loss_parallel: the same everywhere
         total_loss += loss.to_local() if isinstance(loss, DTensor) else loss
     if cfg.clip:
         scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-        clip_grad_norm_(model.parameters(), cfg.clip)
+        norm = clip_grad_norm_(model.parameters(), cfg.clip)
+        if grad_norms is not None:
+            grad_norms.append(norm.detach())  # on the device: read at the end of the run
     scaler.step(optimizer)  # skips the step if fp16 gradients overflowed (on any rank)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from labkit.checkpoint import write_json_atomic
 from labkit.loop import peak_memory_bytes
 from labkit.model import flops_per_token, parameter_shapes
-from labkit.parity import check_parity, exit_if_parity_fails
+from labkit.parity import (check_parity, exit_if_grad_norms_differ, exit_if_parity_fails,
+                           grad_norm_diff)
 from labkit.plan import gpu_spec_for
 
 def summary_line(metrics):
@@ -91,15 +92,18 @@ def gather_per_rank(values, world_size):
 
 
 def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_state=None,
-               extra=None, dp_size=None, own_parity=None):
+               extra=None, dp_size=None, own_parity=None, reference=None, grad_norms=None):
     """The end of every lab's run, on every rank: per-rank peaks and data-wait shares
     gathered, MFU measured (on CPU every rank measures its peak at once, as in training), and
     --check-parity, where full_state() gives rank 0 every parameter in full (it may be a
     collective: every rank calls it). dp_size: the ranks that split each batch, whose streams
-    the reference replays (default: all; TP ranks share one). own_parity: instead of
-    full_state, for labs whose ranks check their own parameters (pipelines): called on every
-    rank, it returns (metrics fields, the worst difference, what that is the worst of). Rank 0
-    writes --metrics-out and prints the summary; a failed parity check exits non-zero."""
+    the reference replays (default: all; TP ranks share one). reference: a labkit/parity.py
+    Reference, for a lab whose model or loss is not the kit's. grad_norms: each step's
+    gradient norm (train_step's list), reported and, under --check-parity, compared with the
+    reference's. own_parity: instead of full_state, for labs whose ranks check their own
+    parameters (pipelines): called on every rank, it returns (metrics fields, the worst
+    difference, what that is the worst of). Rank 0 writes --metrics-out and prints the
+    summary; a failed parity check exits non-zero."""
     # Per rank: a straggler shows up as one rank with a much higher data-wait share.
     per_rank = gather_per_rank({"peak": peak_memory_bytes(device),
                                 "data_share": log.data_share()}, world_size)
@@ -110,11 +114,14 @@ def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_s
     elif cfg.check_parity:
         state = full_state()
         if rank == 0:
-            worst, ref_losses = check_parity(cfg, state, dp_size or world_size, device)
-            fields = {"reference_losses": ref_losses, "parity_max_abs_diff": worst}
+            fields, worst = check_parity(cfg, state, dp_size or world_size, device, reference)
     dist.barrier()  # the other ranks wait (within --timeout-s) for rank 0's reference
     if rank != 0:
         return
+    if grad_norms is not None:
+        fields["grad_norms"] = [norm.item() for norm in grad_norms]
+        fields["grad_norm_max_rel_diff"] = grad_norm_diff(
+            fields["grad_norms"], fields.get("reference_grad_norms") or [])
     metrics = {**common_metrics(cfg, log, world_size, device, wall_start, usage),
                "peak_mem_bytes_per_rank": per_rank["peak"],
                "data_share_per_rank": per_rank["data_share"],
@@ -125,3 +132,4 @@ def finish_run(cfg, rank, world_size, device, log, amp_dtype, wall_start, full_s
         write_json_atomic(cfg.metrics_out, metrics)
     print(summary_line(metrics), flush=True)
     exit_if_parity_fails(worst, cfg.parity_tol, detail)
+    exit_if_grad_norms_differ(fields.get("grad_norm_max_rel_diff"))

@@ -34,53 +34,104 @@ def validate_parity_args(cfg):
         fail_config("--check-parity", "needs fp32 (--amp off): bf16/fp16 rounding is far above 1e-5")
 
 
-def global_batches(cfg, world_size):
-    """Every rank's micro-batches of each step, rank by rank: the global batch whose mean
-    gradient the parallel run's all-reduce (or reduce-scatter) computes."""
+class Reference:
+    """What the single-process run builds and minimises: the kit's model and loss, with each
+    micro-batch of each rank accumulated in turn. A lab whose model or loss differs subclasses
+    it (lab08: a mixture of experts, and a loss over every rank's micro-batch at once)."""
+
+    # True: each micro-step is every rank's micro-batch of that micro-step at once, for a loss
+    # that couples them (lab08's balancing loss counts the routing of all of them).
+    joint_micro_steps = False
+
+    def build(self, cfg):
+        return build_model(cfg)
+
+    def loss(self, model, logits, targets):
+        return loss_fn(logits, targets)
+
+    def report(self):
+        """Extra metrics fields, read after the reference has trained."""
+        return {}
+
+
+def global_batches(cfg, world_size, joint=False):
+    """The global batch whose mean gradient the parallel run's all-reduce (or reduce-scatter)
+    computes: every rank's micro-batches of each step, rank by rank (joint: each micro-step's
+    micro-batches of every rank, concatenated in rank order)."""
     streams = [micro_batches(cfg, r, world_size, 0) for r in range(world_size)]
     while True:
+        if joint:
+            inputs, targets = zip(*(next(stream) for stream in streams))
+            yield torch.cat(inputs), torch.cat(targets)
+            continue
         for stream in streams:
             for _ in range(cfg.grad_accum):
                 yield next(stream)
 
 
-def reference_step(model, optimizer, batches, num_micro, cfg, device):
+def reference_step(model, optimizer, batches, num_micro, cfg, device, reference):
+    """One step; returns (its loss, the gradient norm before clipping, or None)."""
     total = 0.0
     for _ in range(num_micro):
         inputs, targets = (t.to(device) for t in next(batches))
-        loss = loss_fn(model(inputs), targets) / num_micro
+        loss = reference.loss(model, model(inputs), targets) / num_micro
         loss.backward()
         total += loss.detach()
-    if cfg.clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip) if cfg.clip else None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total.item()
+    return total.item(), norm
 
 
-def train_reference(cfg, world_size, device):
+def train_reference(cfg, world_size, device, reference):
     """The single-process run the parallel one must match: same init, same schedule, and each
-    step accumulates all world_size x grad_accum micro-batches of the global batch."""
+    step accumulates all world_size x grad_accum micro-batches of the global batch. Returns
+    the model, each step's loss, and each step's gradient norm (if --clip)."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg).to(device)
+    model = reference.build(cfg).to(device)
     model.init_weights(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    batches = global_batches(cfg, world_size)
-    losses = []
+    joint = reference.joint_micro_steps
+    batches = global_batches(cfg, world_size, joint)
+    num_micro = cfg.grad_accum if joint else world_size * cfg.grad_accum
+    losses, norms = [], []
     for step in range(1, cfg.steps + 1):
         set_learning_rate([optimizer], cfg, step)
-        losses.append(reference_step(model, optimizer, batches, world_size * cfg.grad_accum,
-                                     cfg, device))
-    return model, losses
+        loss, norm = reference_step(model, optimizer, batches, num_micro, cfg, device, reference)
+        losses.append(loss)
+        norms += [norm.item()] if norm is not None else []
+    return model, losses, norms
 
 
-def check_parity(cfg, full_state, world_size, device):
-    """(max |param diff| against the reference, the reference's losses). full_state: {name:
-    full tensor} of the parallel run, with the single-process model's names."""
-    reference, ref_losses = train_reference(cfg, world_size, device)
+def check_parity(cfg, full_state, world_size, device, reference=None):
+    """Rank 0, after training: the reference's metrics fields and the worst parameter
+    difference. full_state: {name: full tensor} of the parallel run, with the single-process
+    model's names."""
+    reference = reference or Reference()
+    model, ref_losses, ref_norms = train_reference(cfg, world_size, device, reference)
     max_diff = max((full_state[name].to(device) - param).abs().max().item()
-                   for name, param in reference.named_parameters())
-    return max_diff, ref_losses
+                   for name, param in model.named_parameters())
+    return {"reference_losses": ref_losses, "reference_grad_norms": ref_norms,
+            "parity_max_abs_diff": max_diff, **reference.report()}, max_diff
+
+
+# Float reassociation moves gradient norms by ~1e-6 (relative) over 40 steps; a wrong gradient
+# divide factor (lab08's experts at dp instead of dp x ep) moves them by 1e-2 and more.
+GRAD_NORM_RTOL = 1e-4
+
+
+def grad_norm_diff(norms, ref_norms):
+    """Max relative difference of each step's gradient norm from the reference's (after a
+    resume, the run's steps are the reference's last ones). Unlike the parameters, which
+    AdamW makes nearly blind to a gradient's scale, this sees a wrong divide factor."""
+    theirs = ref_norms[-len(norms):] if norms else []
+    return max((abs(a - b) / b for a, b in zip(norms, theirs)), default=None)
+
+
+def exit_if_grad_norms_differ(diff):
+    if diff is not None and diff > GRAD_NORM_RTOL:
+        sys.exit(f"parity check failed: gradient norms differ from the reference by {diff:.2e} "
+                 f"(relative) > {GRAD_NORM_RTOL:.0e}")
 
 
 def exit_if_parity_fails(parity, tolerance, detail=""):
