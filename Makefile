@@ -1,7 +1,6 @@
 # Distributed PyTorch, Hands-On: two commands.
 #   make course   run every lab, execute every lesson, build the site, print a summary
 #   make test     the full test suite (what CI runs)
-#   make lean     build/lean/labNN_*.py: each lab not yet on the kit, without its drill code
 #   make gpu-check  everything that needs CUDA, on the GPUs present (exits 1 without one)
 #
 # Environment: the active one if any (a venv, or conda from environment.yml), else ./.venv,
@@ -64,12 +63,6 @@ gpu-check:
 
 site: deps
 	$(PY) tools/build_site.py
-
-# For the labs not yet on the kit (labs/labkit/): build/lean/labNN_*.py, without the teaching
-# and drill code (the marked regions; tools/lean.py). Same losses as the full lab, bit for bit.
-# A lab on the kit has nothing to strip: copy it with labs/labkit/.
-lean:
-	$(PY) tools/lean.py
 
 clean:
 	rm -rf build site .pytest_cache

@@ -55,12 +55,10 @@ Use it in your project:
 import contextlib
 import datetime
 import functools
-import inspect
-from fnmatch import fnmatch
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
@@ -71,7 +69,7 @@ from labkit.errors import fail_config
 from labkit.flags import apply_model_preset, make_parser, planned_world_size, validate_common
 from labkit.loop import announce, train_loop, train_step
 from labkit.metrics import finish_run
-from labkit.model import build_model, initial_value
+from labkit.model import build_model, check_plan_keys, init_sharded_weights
 from labkit.plan import plan_or_refuse
 from labkit.probes import FirstStepBytes, StepCosts
 from labkit.runtime import compute_dtype, init_mesh, launch, make_grad_scaler, precision_name
@@ -198,17 +196,6 @@ def root_plan(cfg):
     return plan
 
 
-def check_plan_keys(module, plan):
-    """parallelize_module only warns about a key that matches no submodule, and leaves that
-    layer whole on every rank: memory silently not saved, or a shape error far from the typo."""
-    names = [name.split(".") for name, _ in module.named_modules() if name]
-    for key in plan:
-        tokens = key.split(".")  # matched token by token with fnmatch, as parallelize_module does
-        if not any(len(n) == len(tokens) and all(map(fnmatch, n, tokens)) for n in names):
-            raise ValueError(f"TP plan key {key!r} matches no submodule of "
-                             f"{type(module).__name__}")
-
-
 def apply_tp(model, tp_mesh, cfg):
     # Per block: plan keys are relative to the module passed in, and one block's plan is the
     # unit of the Megatron analysis. Then the root's own modules.
@@ -233,20 +220,6 @@ def apply_fsdp(model, dp_mesh, cfg, device):
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)  # root: embeddings, norm, output
-
-
-@torch.no_grad()
-def init_sharded_weights(model, seed):
-    """Each shard gets its slice of initial_value(name, full shape): the same weights for every
-    mesh shape. Every rank builds the full tensor and keeps its piece; a large model would
-    generate only the local shard."""
-    # src_data_rank=None (torch >= 2.7): slice locally. Before, rank 0 scatters an identical copy.
-    local_only = ({"src_data_rank": None} if "src_data_rank" in
-                  inspect.signature(distribute_tensor).parameters else {})
-    for name, param in model.named_parameters():
-        full = initial_value(name, param.shape, seed).to(param.device)
-        shard = distribute_tensor(full, param.device_mesh, param.placements, **local_only)
-        param.to_local().copy_(shard.to_local())
 
 
 def build_parallel_model(cfg, mesh, device):

@@ -174,7 +174,7 @@ def unit_param_bytes(shapes):
     return [bytes_ for key, bytes_ in units.items() if key != "root"] + [units["root"]]
 
 
-# A copy of the labs' measure_matmul_peak (tests/test_shared_regions.py keeps the copies
+# A copy of the kit's measure_matmul_peak (tests/test_lab_copy.py keeps the copies
 # identical): this module may import only torch, never a lab.
 def measure_matmul_peak(device, dtype, size=512, seconds=0.1, bursts=3):
     """FLOP/s of one square matmul on this process's threads: the CPU's stand-in for a

@@ -75,14 +75,16 @@ def one_recorded_step(rank, world_size, lab_args):
     """Returns this rank's coordinates, its ops by axis and its stage actions of step 2."""
     cfg = lab.parse_config(lab_args)
     device = torch.device("cpu")
-    scaler = lab.pipeline_grad_scaler(None, device)
+    scaler = lab.pipeline.pipeline_grad_scaler(None, device)
     mesh, stages, schedule, optimizers = lab.build_pipeline(cfg, device, None,
-                                                            lab.scaled_loss(scaler), rank)
+                                                            lab.pipeline.scaled_loss(scaler), rank)
     groups = {axis: mesh[axis].get_group() for axis in ("pp", "dp", "tp")}
     groups["world"] = dist.group.WORLD
     batches = lab.micro_batches(cfg, mesh.get_local_rank("dp"), cfg.dp, 0)
     tp_rank = mesh.get_local_rank("tp")
-    lab.train_step(cfg, schedule, stages, optimizers, scaler, next(batches), device, tp_rank)
+    step_options = dict(reports_loss=tp_rank == 0, counted=lab.counted_once(tp_rank))
+    lab.pipeline.train_step(cfg, schedule, stages, optimizers, scaler, next(batches), device,
+                            **step_options)
     actions = []
     dist.barrier()  # start the step together
     # perf_counter reads CLOCK_MONOTONIC, one clock for every process on a machine: times from
@@ -92,8 +94,8 @@ def one_recorded_step(rank, world_size, lab_args):
     for stage in stages:
         time_stage_actions(stage, actions)
     with AxisRecorder(groups) as recorder:
-        lab.train_step(cfg, schedule, stages, optimizers, scaler, next(batches), device,
-                       tp_rank)
+        lab.pipeline.train_step(cfg, schedule, stages, optimizers, scaler, next(batches),
+                                device, **step_options)
     step_s = time.perf_counter() - start
     counts = Counter((axis, op) for axis, op, _, _ in recorder.events)
     return {"coords": {a: mesh.get_local_rank(a) for a in ("pp", "dp", "tp")},

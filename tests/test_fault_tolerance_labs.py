@@ -6,10 +6,11 @@ torch.distributed.checkpoint. Their checkpoints are sharded directories, so the 
 first consolidates each one offline (dcp_to_torch_save, no process group) and then demands
 bit-identical tensors: parameters and optimizer state.
 
-What these scenarios exercise is shared code: the training loop, the fault injection and the
-SIGTERM watch, and the tmp-then-rename commit of a checkpoint are marked regions that
-tests/test_shared_regions.py keeps identical in every DCP lab. So two labs stand for all:
-lab02 (one FSDP model's state dict) and lab04 (a pipeline's per-stage state dicts, merged).
+What these scenarios exercise is shared code, written once in the kit (labs/labkit/): the
+training loop, the fault injection and the SIGTERM watch (loop.py, faults.py), and the
+tmp-then-rename commit of a DCP checkpoint (checkpoint.py). So two labs stand for all: lab02
+(one FSDP model's state dict) and lab04 (a pipeline's per-stage state dicts, merged, in
+labkit/pipeline.py, which lab05 uses too).
 What differs per lab, the state it saves and loads, is covered by each lab's own resume test:
 tests/test_lab03_tp_fsdp.py (another mesh), test_lab04_pipeline.py, lesson 05 (lab05 on
 three layouts), test_lab07_context_parallel.py and test_lab08_expert_parallel.py (another

@@ -6,6 +6,7 @@ path. And what they import is the standard library, torch and the kit: nothing e
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def imported_packages(path):
 
 
 def test_labs_and_kit_import_only_the_standard_library_torch_and_the_kit():
-    files = [*LAB_PATHS, *sorted(KIT.glob("*.py"))]
+    files = [*sorted(LABS.glob("*.py")), *sorted(KIT.glob("*.py"))]  # perf_model.py too
     assert len(files) > len(LAB_PATHS) + 5, files  # the kit is there, one module per concern
     for path in files:
         others = imported_packages(path) - sys.stdlib_module_names - {"torch", "labkit"}
@@ -60,3 +61,16 @@ def test_a_copied_lab_trains_with_parity_from_an_empty_folder(lab_path, tmp_path
     assert str(LABS) not in proc.stdout + proc.stderr  # nothing ran from the repository
     if "\nfrom labkit." in lab_path.read_text():
         assert (project / "labkit" / "imported-here").exists()
+
+
+def function_source(path, name):
+    match = re.search(rf"^def {name}\(.*?(?=^\S)", path.read_text(), re.S | re.M)
+    assert match, f"{path.name} has no top-level def {name}"
+    return match.group(0)
+
+
+def test_perf_models_matmul_peak_is_the_kits():
+    """labs/perf_model.py may import only torch, so it carries its own copy of the kit's
+    measure_matmul_peak; the copy must not drift from the one the labs' MFU uses."""
+    assert (function_source(LABS / "perf_model.py", "measure_matmul_peak")
+            == function_source(KIT / "metrics.py", "measure_matmul_peak"))

@@ -31,7 +31,6 @@ README_COMMANDS = {
     "make test": "test_environment.py::test_ci_runs_exactly_the_readme_test_command",
     "make test CONSTRAINTS=": "test_make_test_without_constraints_keeps_your_torch",
     "make site": "test_site.py::test_no_broken_internal_links_or_anchors",
-    "make lean": "test_lean.py::test_make_lean_writes_every_lab",
     "make gpu-check": "test_make_gpu_check_without_a_gpu_says_so",
     "python -m http.server -d site":
         "test_site.py::test_browser_renders_home_and_navigates_to_a_lesson",

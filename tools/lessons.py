@@ -31,17 +31,6 @@ def lab_paths():
     return sorted((ROOT / "labs").glob(LAB_GLOB))
 
 
-def on_kit(lab):
-    """Whether a lab is its technique on the shared kit (labs/labkit/), rather than one
-    self-contained file that carries the shared regions. The labs move to the kit one by one."""
-    return "\nfrom labkit." in Path(lab).read_text()
-
-
-def self_contained_lab_paths():
-    """The labs that still carry the shared regions (tools/sync_regions.py, tools/lean.py)."""
-    return [lab for lab in lab_paths() if not on_kit(lab)]
-
-
 def lesson_paths():
     return sorted(LESSONS.glob(LESSON_GLOB))
 

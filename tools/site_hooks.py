@@ -24,7 +24,6 @@ import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
 import decision_guide  # noqa: E402  (tools/decision_guide.py)
 import error_index  # noqa: E402  (tools/error_index.py)
 import i18n  # noqa: E402  (tools/i18n.py: where each Chinese page lives)
-import lean  # noqa: E402  (tools/lean.py)
 import site_i18n  # noqa: E402  (tools/site_i18n.py: the Chinese edition)
 import verified  # noqa: E402  (tools/verified.py)
 
@@ -73,9 +72,7 @@ def plan_example(lab):
 # The words of the generated lab pages, per language; {placeholders} are filled per lab.
 LAB_PAGE_WORDS = {
     "en": {
-        "source": "Source: `labs/{name}` (one self-contained file: copy it anywhere with torch "
-                  "installed and run it).",
-        "verified": "Verified", "unverified": "Not verified in this build",
+                "verified": "Verified", "unverified": "Not verified in this build",
         "unverified_body": "No run of this lab was recorded (`make test` and `make course` "
                            "record them).",
         "gpu_verified": "Verified on GPU", "gpu_unverified": "Not yet verified on a GPU",
@@ -83,18 +80,11 @@ LAB_PAGE_WORDS = {
                                "The CUDA path is tested on CPU with faked devices "
                                "(`tests/test_gpu_defaults.py`); nothing here was measured on a GPU.",
         "download": "Download",
-        "full": "the full lab, {lines} lines, with its parity reference, probes and fault drills.",
-        "lean": "the copy a project keeps, {lines} lines: the same training (its losses equal the "
-                "full lab's bit for bit), without the teaching and drill code. `make lean` writes "
-                "it to `build/lean/`.",
         "run": "Run it", "guide": "Use it in your project", "plan": "Plan a big run",
         "plan_body": "What the lab would do on hardware this machine does not have; it starts "
                      "no process group. Run at build time:",
         "course_output": "Output of the last `make course` run", "source_heading": "Source",
         "changed": "What changed since `{previous}`",
-        "changed_body": "Generated at build time; the shared regions (cli, setup, mesh, model, "
-                        "data, metrics, plan, faults, schedule, loop, checkpoint, main) are "
-                        "identical, so the diff is the new technique.",
         "labs_title": "Labs",
         "labs_intro": "One torchrun script per lesson; each runs on CPU (gloo) and on GPUs "
                       "(NCCL) unchanged.",
@@ -116,7 +106,6 @@ LAB_PAGE_WORDS = {
                             "teach from the kit, so the diff is the new technique.",
     },
     "zh": {
-        "source": "源码：`labs/{name}`（一个自包含的文件：复制到任何装有 torch 的地方即可运行）。",
         "verified": "已验证", "unverified": "本次构建未验证",
         "unverified_body": "没有记录到这个实验的运行（`make test` 和 `make course` 会记录）。",
         "gpu_verified": "已在 GPU 上验证", "gpu_unverified": "尚未在 GPU 上验证",
@@ -124,15 +113,10 @@ LAB_PAGE_WORDS = {
                                "CUDA 路径在 CPU 上用模拟的设备测试（`tests/test_gpu_defaults.py`）；"
                                "这里没有任何数字是在 GPU 上测得的。",
         "download": "下载",
-        "full": "完整实验，{lines} 行，包含单进程参考、探针和故障演练。",
-        "lean": "项目中保留的精简版，{lines} 行：训练完全相同（loss 与完整实验逐位相同），"
-                "去掉了教学和演练代码。`make lean` 把它写到 `build/lean/`。",
         "run": "运行", "guide": "在你的项目中使用", "plan": "规划一次大规模运行",
         "plan_body": "实验在本机没有的硬件上会怎么做；它不启动任何进程组。构建时运行：",
         "course_output": "最近一次 `make course` 的输出", "source_heading": "源码",
         "changed": "相对 `{previous}` 的改动",
-        "changed_body": "构建时生成；共享区域（cli、setup、mesh、model、data、metrics、plan、"
-                        "faults、schedule、loop、checkpoint、main）完全相同，所以 diff 就是新技术本身。",
         "labs_title": "实验",
         "labs_intro": "每课一个 torchrun 脚本；每个脚本在 CPU（gloo）和 GPU（NCCL）上不加修改即可运行。",
         "labs_header": "| 实验 | 教什么 | 命令 |",
@@ -212,21 +196,13 @@ def kit_page(lang="en"):
 
 
 def downloads(lab, say):
-    """Markdown for the files a reader can take: the lab and its lean copy, or, for a lab on
-    the kit, the lab and a zip of the lab with the kit."""
-    if lesson_tools.on_kit(lab):
-        kit_lines = sum(len(p.read_text().splitlines()) for p in KIT.glob("*.py"))
-        return [f"## {say['download']} {{#download}}", "",
-                f"- [`{lab.name}`](../downloads/{lab.name}): "
-                + say["kit_full"].format(lines=len(lab.read_text().splitlines())),
-                f"- [`{lab.stem}.zip`](../downloads/{lab.stem}.zip): "
-                + say["kit_zip"].format(lines=kit_lines), ""]
-    full, slim = lab.read_text(), lean.lean_source(lab.read_text(), lab.stem)
+    """Markdown for the files a reader can take: the lab, and a zip of the lab with the kit."""
+    kit_lines = sum(len(p.read_text().splitlines()) for p in KIT.glob("*.py"))
     return [f"## {say['download']} {{#download}}", "",
             f"- [`{lab.name}`](../downloads/{lab.name}): "
-            + say["full"].format(lines=len(full.splitlines())),
-            f"- [`{lab.name}`, lean](../downloads/lean/{lab.name}): "
-            + say["lean"].format(lines=len(slim.splitlines())), ""]
+            + say["kit_full"].format(lines=len(lab.read_text().splitlines())),
+            f"- [`{lab.stem}.zip`](../downloads/{lab.stem}.zip): "
+            + say["kit_zip"].format(lines=kit_lines), ""]
 
 
 def lab_page(lab, previous, lang="en"):
@@ -236,7 +212,7 @@ def lab_page(lab, previous, lang="en"):
     stamp, gpu_stamp = verified.lab_stamp(lab.stem), verified.gpu_stamp(lab.stem)
     plan_cmd, plan_out = plan_example(lab)
     lines = [f"# {title}", "",
-             say["kit_source" if lesson_tools.on_kit(lab) else "source"].format(name=lab.name), "",
+             say["kit_source"].format(name=lab.name), "",
              f"!!! success \"{say['verified']}\"\n    {stamp}" if stamp
              else f"!!! warning \"{say['unverified']}\"\n    {say['unverified_body']}", "",
              f"!!! success \"{say['gpu_verified']}\"\n    {gpu_stamp}" if gpu_stamp
@@ -247,8 +223,7 @@ def lab_page(lab, previous, lang="en"):
              f"torchrun --standalone --nproc-per-node 2 labs/{lab.name} --check-parity", "```", ""]
     if guide:
         lines += [f"## {say['guide']} {{#use-it-in-your-project}}", "", guide, ""]
-    if lesson_tools.on_kit(lab):
-        lines += kit_section(lab, say)
+    lines += kit_section(lab, say)
     lines += [f"## {say['plan']} {{#plan-a-big-run}}", "", say["plan_body"], "", "```bash",
               plan_cmd, "```", "", "```text", plan_out, "```", ""]
     log = ROOT / "build" / "course" / f"{lab.stem}.log"
@@ -258,14 +233,13 @@ def lab_page(lab, previous, lang="en"):
                   "```text", *output[-12:], "```", ""]
     lines += [f"## {say['source_heading']} {{#source}}", "", "```python",
               f'--8<-- "labs/{lab.name}"', "```", ""]
-    if previous is not None and lesson_tools.on_kit(previous) == lesson_tools.on_kit(lab):
-        # (A lab on the kit against one that is not yet would diff the whole kit.)
+    if previous is not None:
         diff = difflib.unified_diff(previous.read_text().splitlines(),
                                     lab.read_text().splitlines(),
                                     f"labs/{previous.name}", f"labs/{lab.name}", lineterm="")
         anchor = "what-changed-since-" + previous.name.replace(".", "")
         lines += [f"## {say['changed'].format(previous=previous.name)} {{#{anchor}}}", "",
-                  say["kit_changed_body" if lesson_tools.on_kit(lab) else "changed_body"], "",
+                  say["kit_changed_body"], "",
                   "```diff", *diff,
                   "```", ""]
     return "\n".join(lines)
@@ -350,11 +324,7 @@ def on_files(files, config):
     for lab in lesson_tools.lab_paths():
         add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous, lang))
         add_generated(files, config, f"downloads/{lab.name}", lab.read_text())
-        if lesson_tools.on_kit(lab):
-            add_generated(files, config, f"downloads/{lab.stem}.zip", lab_with_kit_zip(lab))
-        else:
-            add_generated(files, config, f"downloads/lean/{lab.name}",
-                          lean.lean_source(lab.read_text(), lab.stem))
+        add_generated(files, config, f"downloads/{lab.stem}.zip", lab_with_kit_zip(lab))
         previous = lab
     add_generated(files, config, "labs/labkit.md", kit_page(lang))
     add_generated(files, config, "labs/index.md", labs_index(lang))

@@ -18,6 +18,8 @@ One module per concern:
     plan        --plan: memory per rank against the GPU table, and refusing what cannot fit
     parity      --check-parity: the same training in one process, compared parameter by parameter
     probes      the bytes each rank holds, one step's collectives (--count-comms), the layout
+    pipeline    what the pipeline labs share: schedule rules, the stage cut, the step, the clip
+                across stages, per-stage precision, checkpoints of stage modules, the layout
     timeline    --timeline: when each pipeline action ran, the bubble, saved activation bytes
     faults      the fault drills (--fail-at-step, --stall-at-step, --crash-in-checkpoint)
 """

@@ -4,11 +4,12 @@ grouped-query heads, SwiGLU), its size presets, its initial values, and its FLOP
 import functools
 import math
 import zlib
+from fnmatch import fnmatch
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 # Llama-shaped sizes. debug is what every test and lesson trains (a CPU step in milliseconds).
@@ -201,26 +202,28 @@ def apply_block_options(model, cfg):
 
 
 # Filling a model that was sharded on the meta device.
-def shard_of(full, dtensor):
-    """The slice of `full` that this rank holds in `dtensor`: torch.chunk along each Shard
-    dim, as DTensor lays it out (trailing ranks get fewer, or zero, rows)."""
-    local, coordinate = full, dtensor.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(dtensor.placements):
-        if isinstance(placement, Shard):
-            chunks = torch.chunk(local, dtensor.device_mesh.size(mesh_dim), dim=placement.dim)
-            index = coordinate[mesh_dim]
-            local = chunks[index] if index < len(chunks) else local.narrow(placement.dim, 0, 0)
-    return local
-
-
 @torch.no_grad()
 def init_sharded_weights(model, seed):
-    """Fill each rank's shards with the values a single process would have. Trade-off: every
-    rank computes one full parameter at a time (extra memory: the largest parameter; CPU work
-    repeated on every rank; no communication at all). distribute_tensor(full, mesh, placements)
-    would instead scatter rank 0's copy (one compute, one collective per parameter). A real
+    """Fill each rank's shards with the values a single process would have, on any mesh and
+    placements: FSDP's, TP's, or both (FSDP over TP shards a TP shard again, a strided layout
+    that distribute_tensor knows). Trade-off: every rank computes one full parameter at a time
+    and keeps its slice (src_data_rank=None: no communication; extra memory: the largest
+    parameter; CPU work repeated on every rank). Without src_data_rank=None, distribute_tensor
+    would scatter rank 0's copy instead (one compute, one collective per parameter). A real
     large model skips both: it loads its shards from a DCP checkpoint."""
     for name, param in model.named_parameters():
-        local = shard_of(initial_value(name, param.shape, seed), param)
-        assert param.to_local().shape == local.shape, (name, param.to_local().shape, local.shape)
-        param.to_local().copy_(local)
+        full = initial_value(name, param.shape, seed).to(param.device, param.dtype)
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+
+
+# A tensor-parallel plan's keys name submodules (lab03, lab05).
+def check_plan_keys(module, plan):
+    """parallelize_module only warns about a key that matches no submodule, and leaves that
+    layer whole on every rank: memory silently not saved, or a shape error far from the typo."""
+    names = [name.split(".") for name, _ in module.named_modules() if name]
+    for key in plan:
+        tokens = key.split(".")  # matched token by token with fnmatch, as parallelize_module does
+        if not any(len(n) == len(tokens) and all(map(fnmatch, n, tokens)) for n in names):
+            raise ValueError(f"TP plan key {key!r} matches no submodule of "
+                             f"{type(module).__name__}")

@@ -208,24 +208,23 @@ def train_pipeline_reference(cfg, num_steps, order):
     return dict(model.named_parameters()), first_grads, losses
 
 
-def check_pipeline_parity(cfg, stages, first_grads, losses, timeline):
-    """Every rank retrains the (small) reference itself and compares the parameters it holds;
-    one all-reduce MAX gives the worst difference anywhere. For finish_run's own_parity:
-    returns (metrics fields, the worst difference, what it is the worst of)."""
+def check_pipeline_parity(cfg, stages, first_grads, losses, order, compare=True):
+    """Every rank that compares (all of them, unless compare=False: lab05 leaves it to one
+    rank per pp rank) retrains the (small) reference itself and compares the parameters it
+    holds; one all-reduce MAX gives the worst difference anywhere. order: the microbatch order
+    this rank's first stage accumulated gradients in. For finish_run's own_parity: returns
+    (metrics fields, the worst difference, what it is the worst of)."""
     modules = [s.submod for s in stages]
-    # The order this rank's first stage accumulated microbatch gradients in (in B, or in W
-    # when the schedule splits backward), read off the timeline.
-    order = [e[2] for e in (timeline.steps[-1] if timeline.steps else []) if e[0] in ("B", "W")
-             and e[1] == stages[0].stage_index]
-    ref_params, ref_grads, ref_losses = train_pipeline_reference(
-        cfg, losses[-1][0], order or range(cfg.microbatches))
-    params = named_full_tensors(modules)
-    param_diff = max((params[n] - ref_params[n].detach()).abs().max().item() for n in params)
-    grad_diff = max(((first_grads[n] - ref_grads[n]).abs().max().item() for n in first_grads),
-                    default=-1.0)  # -1: no step 1 in this run (resumed)
-    loss_diff = max(abs(loss - ref_losses[step - 1]) for step, loss in losses)
+    params = named_full_tensors(modules)  # with FSDP or TP a collective: every rank calls it
     device = next(modules[0].parameters()).device  # NCCL reduces only tensors on the GPU
-    worst = torch.tensor([param_diff, grad_diff, loss_diff], dtype=torch.float64, device=device)
+    worst, ref_losses = [-1.0] * 3, None  # -1: nothing compared here
+    if compare:
+        ref_params, ref_grads, ref_losses = train_pipeline_reference(cfg, losses[-1][0], order)
+        worst = [max((params[n] - ref_params[n].detach()).abs().max().item() for n in params),
+                 max(((first_grads[n] - ref_grads[n]).abs().max().item() for n in first_grads),
+                     default=-1.0),  # -1: no step 1 in this run (resumed)
+                 max(abs(loss - ref_losses[step - 1]) for step, loss in losses)]
+    worst = torch.tensor(worst, dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     param_diff, grad_diff, loss_diff = worst.tolist()
     grad_diff = None if grad_diff < 0 else grad_diff  # resumed: no step 1 here

@@ -13,7 +13,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from labkit.metrics import gather_per_rank
-from labkit.model import build_model
 
 
 def held_bytes(tensors):
@@ -226,22 +225,3 @@ class StepCosts:
             return {}
         activations = gather_per_rank({"bytes": self.values.pop("activation_bytes")}, world_size)
         return {"activation_bytes_per_rank": activations["bytes"], **self.values}
-
-
-def check_stage_layout(stage_modules, stage_ids, num_stages, cfg, device):
-    """A pipeline's layout: every rank holds only its stages' layers, the embedding only on
-    stage 0, norm + output only on the last stage, and together exactly the whole model (one
-    all-reduce over every rank: a collective)."""
-    per_stage = cfg.num_layers // num_stages
-    for module, stage_id in zip(stage_modules, stage_ids):
-        expected = [str(i) for i in range(stage_id * per_stage, (stage_id + 1) * per_stage)]
-        assert list(module.layers) == expected, (stage_id, list(module.layers))
-        assert (module.tok_embeddings is not None) == (stage_id == 0)
-        assert (module.output is not None) == (stage_id == num_stages - 1)
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel()  # FSDP: the shard
-                for m in stage_modules for p in m.parameters())
-    total = torch.tensor([local], device=device)
-    dist.all_reduce(total)  # over dp x pp: every parameter element counted exactly once
-    with torch.device("meta"):
-        whole = sum(p.numel() for p in build_model(cfg).parameters())
-    assert total.item() == whole, f"stages hold {total.item()} parameters, model has {whole}"

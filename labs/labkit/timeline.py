@@ -268,3 +268,12 @@ def timeline_metrics(cfg, timeline, stages, world_size):
                      "ranks": events},
         "microbatches_in_flight_per_rank": [microbatches_in_flight(e) for e in events],
     }
+
+
+def accumulation_order(timeline, stages, num_microbatches):
+    """The microbatch order this rank's first stage accumulated gradients in (in B, or in W
+    when the schedule splits backward), read off the last step's timeline (LoopedBFS runs
+    backward last microbatch first); microbatch order when there is no timeline."""
+    order = [e[2] for e in (timeline.steps[-1] if timeline.steps else [])
+             if e[0] in ("B", "W") and e[1] == stages[0].stage_index]
+    return order or list(range(num_microbatches))

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "lessons"))
 sys.path.insert(0, str(ROOT / "labs"))
 
 import lab04_pipeline as lab  # noqa: E402  (the lab is importable: nothing runs at import)
+import labkit.pipeline  # noqa: E402  (the kit beside the labs: the schedule classes' rules)
 import pipeline_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
 from spawn import launch_lab, run_workers  # noqa: E402
 
@@ -152,6 +153,7 @@ assert forward[0, 0][0] < forward[0, 0][1] < forward[1, 0][0]  # rank 0 starts f
 
 # %%
 print(inspect.getsource(lab.build_stage_module))
+print(inspect.getsource(lab.cut_stage))  # from the kit: labs/labkit/pipeline.py
 print(inspect.getsource(lab.stage_ids_for_rank))
 
 # %% [markdown]
@@ -192,7 +194,7 @@ def run_lab(nproc, *args, torchrun=False):
 
 runs = {}
 for name in lab.SCHEDULES:
-    if lab.schedule_class(name) is None:
+    if labkit.pipeline.schedule_class(name) is None:
         print(f"{name}: not in torch {lab.torch.__version__}")
         continue
     runs[name] = run_lab(2, "--schedule", name, "--microbatches", "4", "--steps", "8",
