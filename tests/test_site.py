@@ -673,7 +673,9 @@ def check_lab_and_kit_downloads(site, lab):
     page = html_lib.unescape((site / "labs" / f"{lab.stem}.html").read_text())
     assert f'href="../downloads/{lab.stem}.zip"' in page
     assert f"{len(lab.read_text().splitlines())} lines" in page
-    modules = set(re.findall(r"^from labkit\.(\w+) import", lab.read_text(), re.M))
+    modules = set(re.findall(r"^from labkit(?:\.(\w+) import| import (\w+))", lab.read_text(),
+                             re.M))
+    modules = {dotted or whole for dotted, whole in modules}
     assert modules and all(f'href="labkit.html#{m}"' in page for m in modules), modules
     kit_page = (site / "labs" / "labkit.html").read_text()
     assert all(f'id="{m}"' in kit_page for m in modules), modules

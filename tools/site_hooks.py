@@ -166,13 +166,22 @@ def lab_with_kit_zip(lab):
 
 
 def kit_imports(lab):
-    """{kit module: [names the lab imports from it]}, in the order the lab imports them."""
+    """{kit module: [names the lab takes from it]}, in the order the lab imports them: the
+    names of `from labkit.m import a, b`, and for `from labkit import m` every `m.name` the lab
+    uses."""
     import ast
 
+    tree = ast.parse(lab.read_text())
     found = {}
-    for node in ast.parse(lab.read_text()).body:
+    for node in tree.body:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit."):
             found.setdefault(node.module.split(".", 1)[1], []).extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "labkit":
+            for alias in node.names:
+                local = alias.asname or alias.name
+                used = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                        and isinstance(n.value, ast.Name) and n.value.id == local]
+                found.setdefault(alias.name, []).extend(dict.fromkeys(used))
     return found
 
 
