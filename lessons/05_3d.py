@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 
 import lab05_3d as lab  # noqa: E402  (the lab is importable: nothing runs at import)
 import threed_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+from labkit.model import MODEL_PRESETS, flops_per_token  # noqa: E402  (the labs' kit)
 from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
@@ -103,8 +104,8 @@ assert traffic["tp"] > 10 * traffic["dp"] and traffic["dp"] > traffic["pp"]
 # first: `("pp", "dp", "tp")`, so that a TP group is 8 consecutive ranks, one node.
 
 # %%
-llama_70b = argparse.Namespace(**lab.MODEL_PRESETS["70b"])  # the lab's preset: 70.55B params
-flop_per_token = lab.flops_per_token(llama_70b, llama_70b.seq_len)  # the labs' MFU formula
+llama_70b = argparse.Namespace(**MODEL_PRESETS["70b"])  # the labs' preset: 70.55B params
+flop_per_token = flops_per_token(llama_70b, llama_70b.seq_len)  # the labs' MFU formula
 per_rank_flop = 8 * 8192 * flop_per_token / (4 * 8)  # 8 microbatches, 1/(pp x tp) each
 compute_s = per_rank_flop / (0.40 * 989e12)
 print(f"{flop_per_token / 1e9:.1f} GFLOP per token; per GPU per step {per_rank_flop / 1e12:.0f} "

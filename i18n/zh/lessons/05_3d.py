@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 
 import lab05_3d as lab  # noqa: E402  (the lab is importable: nothing runs at import)
 import threed_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+from labkit.model import MODEL_PRESETS, flops_per_token  # noqa: E402  (the labs' kit)
 from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
@@ -91,8 +92,8 @@ assert traffic["tp"] > 10 * traffic["dp"] and traffic["dp"] > traffic["pp"]
 # TP 的约 150 GB 在 NVLink 上约需 0.33 s，只占计算时间的一小部分；但在 InfiniBand 上要 3 s，比计算还长：**TP 必须留在节点内**。FSDP 每步约 6.6 GB，走 InfiniBand 约需 0.13 s，而且能与计算重叠（第 02 课）；PP 的约 2 GB 是三者中最轻的：**PP 和 DP 跨节点**。设备网格的维度顺序（从最外层开始）由此而来：`("pp", "dp", "tp")`，这样一个 TP 组就是 8 个连续的 rank，正好一个节点。
 
 # %%
-llama_70b = argparse.Namespace(**lab.MODEL_PRESETS["70b"])  # the lab's preset: 70.55B params
-flop_per_token = lab.flops_per_token(llama_70b, llama_70b.seq_len)  # the labs' MFU formula
+llama_70b = argparse.Namespace(**MODEL_PRESETS["70b"])  # the labs' preset: 70.55B params
+flop_per_token = flops_per_token(llama_70b, llama_70b.seq_len)  # the labs' MFU formula
 per_rank_flop = 8 * 8192 * flop_per_token / (4 * 8)  # 8 microbatches, 1/(pp x tp) each
 compute_s = per_rank_flop / (0.40 * 989e12)
 print(f"{flop_per_token / 1e9:.1f} GFLOP per token; per GPU per step {per_rank_flop / 1e12:.0f} "
