@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labkit.checkpoint import latest_checkpoint, save_file_atomically
+from labkit.checkpoint import (latest_checkpoint, restore_rng_state, rng_state,
+                               save_file_atomically)
 from labkit.data import ResumableDistributedSampler, build_dataset, make_loader
 from labkit.errors import fail_config
 from labkit.flags import make_parser, planned_world_size, validate_common
@@ -152,11 +153,11 @@ def gradient_sync(model, enabled):
     return contextlib.nullcontext() if enabled else model.no_sync()
 
 
-def save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size):
+def save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size, device):
     """Every replica is the same, so rank 0 alone writes the model, atomically (a temp file,
     fsync, rename). Every rank's RNG state travels to it with a collective: all ranks call."""
     rng_states = [None] * world_size
-    dist.all_gather_object(rng_states, torch.get_rng_state())
+    dist.all_gather_object(rng_states, rng_state(device))  # labkit: CPU and device generators
     if rank == 0:
         save_file_atomically(cfg, {"model": ddp_model.module.state_dict(),
                                    "optimizer": optimizer.state_dict(), "step": step,
@@ -172,8 +173,7 @@ def load_checkpoint(cfg, model, optimizer, rank, device):
     state = torch.load(path, map_location=device, weights_only=True)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    rng = state["rng"][rank] if rank < len(state["rng"]) else state["rng"][0]
-    torch.set_rng_state(rng.cpu())
+    restore_rng_state(state["rng"][rank] if rank < len(state["rng"]) else state["rng"][0], device)
     if rank == 0:
         print(f"resumed from {path} at step {state['step']}", flush=True)
     return state["step"]
@@ -198,7 +198,7 @@ def train(cfg, rank, world_size, device):
         # DDP's hooks all-reduce the gradients, bucket by bucket, during each backward.
         lambda step: train_step(ddp_model, optimizer, scaler, batches, cfg, device, amp_dtype,
                                 gradient_sync),
-        lambda step: save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size),
+        lambda step: save_checkpoint(cfg, ddp_model, optimizer, step, rank, world_size, device),
         loss_divisor=world_size)
     return ddp_model, log, amp_dtype
 

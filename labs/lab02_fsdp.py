@@ -62,7 +62,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labkit.checkpoint import (export_consolidated, full_state_dict, latest_checkpoint,
-                              save_dcp_atomically)
+                              restore_rng_state, rng_state, save_dcp_atomically)
 from labkit.data import micro_batches
 from labkit.errors import fail_config
 from labkit.flags import make_parser, planned_world_size, validate_common
@@ -242,8 +242,10 @@ def checkpoint_state(cfg, model, optimizer, step, rank):
     # Sharded state dicts: each rank contributes its DTensor shards; DCP records the global
     # layout, so a different world size can load them (it reads only the slices it needs).
     model_state, optim_state = get_state_dict(model, optimizer)
+    device = next(model.parameters()).device
     return {"model": model_state, "optim": optim_state, "step": step,
-            "data": {"samples_seen": step * cfg.batch_size}, f"rng_rank{rank}": torch.get_rng_state()}
+            "data": {"samples_seen": step * cfg.batch_size},
+            f"rng_rank{rank}": rng_state(device)}  # labkit: the CPU and the device generator
 
 
 def save_checkpoint(cfg, model, optimizer, step, rank):
@@ -258,14 +260,16 @@ def load_checkpoint(cfg, model, optimizer, rank):
     if path is None:
         return 0
     state = checkpoint_state(cfg, model, optimizer, 0, rank)
+    # DCP names a nested entry by its dotted path (rng_rank0.cpu). More ranks than the run that
+    # saved: reuse rank 0's generators; saved on CPU, resumed on CUDA: only the CPU one.
     saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    if f"rng_rank{rank}" not in saved_keys:  # more ranks than the run that saved: reuse rank 0's
-        state["rng_rank0"] = state.pop(f"rng_rank{rank}")
-    rng_key = next(k for k in state if k.startswith("rng_rank"))
+    generators = state.pop(f"rng_rank{rank}")
+    rng_key = f"rng_rank{rank}" if f"rng_rank{rank}.cpu" in saved_keys else "rng_rank0"
+    state[rng_key] = {k: v for k, v in generators.items() if f"{rng_key}.{k}" in saved_keys}
     dcp.load(state, checkpoint_id=path)  # reads this rank's slices, resharding as needed
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    torch.set_rng_state(state[rng_key])
+    restore_rng_state(state[rng_key], next(model.parameters()).device)
     samples = state["data"]["samples_seen"]
     if samples % cfg.batch_size:
         raise ValueError(f"checkpoint saw {samples} samples, not a multiple of --batch-size "

@@ -1,13 +1,14 @@
 """The labs' CUDA choices, tested on CPU: the decision logic driven by faked device
 capabilities, and the loop's promise that it reads device values only at sync points.
 
-What the choices are (labs/labkit/runtime.py and loop.py; the labs not yet on the kit carry
-their own copies, in the shared regions setup and loop):
+What the choices are (labs/labkit/runtime.py, loop.py and checkpoint.py):
 - precision: bf16 on a GPU that has it, fp16 + GradScaler on one that does not, fp32 on CPU;
 - FSDP gathers in that dtype (MixedPrecisionPolicy), not fp32 under autocast;
 - batches copied with non_blocking come from a pinned DataLoader on CUDA;
 - losses and the preemption flag are reduced and read only at sync points, and step times are
-  taken after that read (when the device has finished the window's work).
+  taken after that read (when the device has finished the window's work);
+- a checkpoint keeps every random generator a rank draws from: the CPU's and, on CUDA, the
+  device's.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import signal
 import pytest
 import torch
 
+import labkit.checkpoint
 import labkit.data
 import labkit.loop
 import labkit.runtime
@@ -161,3 +163,26 @@ def test_the_training_step_reads_nothing_from_the_device(lab_path):
     step = re.search(r"\ndef train_step\(.*?(?=\n\S)", source, re.S).group(0)
     assert not re.search(r"\.item\(\)|\.tolist\(\)|synchronize\(", step), lab_path.stem
     assert "seconds_since" not in source  # the old per-step synchronize
+
+
+def test_the_rng_state_round_trips_on_cpu_and_keeps_the_device_generator_on_cuda(monkeypatch):
+    """torch.get_rng_state() is the CPU generator only: on CUDA, dropout and sampling draw
+    from the device's, which a resume must restore too. CPU: a real round trip. CUDA: faked
+    (no GPU here), checking that the device's state is saved and handed back to it."""
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    saved = labkit.checkpoint.rng_state(cpu)
+    first = torch.rand(4)
+    labkit.checkpoint.restore_rng_state(saved, cpu)
+    assert set(saved) == {"cpu"} and torch.equal(torch.rand(4), first)
+
+    device_states, restored = {0: torch.tensor([7, 8, 9], dtype=torch.uint8)}, {}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: device_states[device.index])
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device: restored.update({device.index: state}))
+    cuda = torch.device("cuda", 0)
+    saved = labkit.checkpoint.rng_state(cuda)
+    assert set(saved) == {"cpu", "cuda"} and torch.equal(saved["cuda"], device_states[0])
+    labkit.checkpoint.restore_rng_state(saved, cuda)
+    assert torch.equal(restored[0], device_states[0])
+    labkit.checkpoint.restore_rng_state({"cpu": saved["cpu"]}, cuda)  # saved on CPU: no error

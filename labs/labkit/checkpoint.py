@@ -99,6 +99,24 @@ def save_dcp_atomically(cfg, state, step, rank):
     dist.barrier()  # nobody races ahead (or reads) while rank 0 is renaming
 
 
+def rng_state(device):
+    """This rank's random generators: the CPU one, and on CUDA its device's, which dropout and
+    sampling on the GPU draw from (torch.get_rng_state() alone is the CPU generator). Both
+    states are CPU byte tensors."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng_state(state, device):
+    """The inverse of rng_state(). A checkpoint saved on CPU has no CUDA state: a GPU resume
+    then keeps its device generator's seed."""
+    torch.set_rng_state(state["cpu"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
 def full_state_dict(model):
     """Every parameter in full, with the single-process model's names: rank 0 gets a plain
     CPU copy, the other ranks {}. A collective (it all-gathers each sharded parameter, over
