@@ -110,7 +110,7 @@ def plan_layout(cfg, world_size):
             "state_shards": world_size, "optimizer_shards": world_size, "tp": cfg.tp,
             "layers": cfg.num_layers, "in_flight": 1,
             "micro_batch": cfg.batch_size // (dp_size * cfg.grad_accum),
-            "fsdp": True, "ddp_buckets": False}
+            "fsdp": True, "sequence_parallel": cfg.sequence_parallel, "ddp_buckets": False}
 
 
 def validate_tp(cfg, world_size):

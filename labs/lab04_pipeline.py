@@ -123,7 +123,7 @@ def plan_layout(cfg, world_size):
             "layers": cfg.stages_per_rank * cfg.num_layers // num_stages,
             "in_flight": in_flight,
             "micro_batch": cfg.batch_size // (cfg.dp * cfg.microbatches),
-            "fsdp": cfg.dp > 1, "ddp_buckets": False}
+            "fsdp": cfg.dp > 1, "keeps_gathered": True, "ddp_buckets": False}
 
 
 def validate_pipeline(cfg, world_size):

@@ -27,6 +27,7 @@ Launch (the same file everywhere; the backend follows the hardware):
 --pp x --dp x --tp must equal the world size (anything else: one line, exit 2); give all
 three, or none for `auto_layout()`: tp 2 and pp 2 where the world size allows. Schedules:
 GPipe and 1F1B (one stage per rank), Interleaved1F1B (--stages-per-rank V, default 2).
+--activation-checkpointing recomputes each block in backward: a 70B stage needs it (--plan).
 Expected last line (first command above; numbers vary slightly with hardware):
     done | lab05_3d | gloo x8 | 20 steps | loss 1.27... | parity 1.4e-06 | ...
 Lesson: lessons/05_3d.py. Runbooks: runbooks/collective-timeout.md, stuck-rank.md,
@@ -74,7 +75,8 @@ from labkit.errors import fail_config
 from labkit.flags import apply_model_preset, make_parser, planned_world_size, validate_common
 from labkit.loop import announce, train_loop
 from labkit.metrics import finish_run
-from labkit.model import build_model, check_plan_keys, init_sharded_weights, parameter_shapes
+from labkit.model import (apply_activation_checkpointing, build_model, check_plan_keys,
+                          init_sharded_weights, parameter_shapes)
 from labkit.parity import FirstStepGrads, check_pipeline_parity
 from labkit.plan import plan_or_refuse
 from labkit.runtime import compute_dtype, init_mesh, launch, precision_name
@@ -102,6 +104,9 @@ def parse_config(argv=None):
     arg("--stages-per-rank", type=int, default=0,
         help="stages (model chunks) per pp rank; 0 = what the schedule needs (1, or 2 for "
              "Interleaved1F1B)")
+    arg("--activation-checkpointing", action="store_true",
+        help="recompute each block's activations in backward instead of storing them (what a "
+             "70B stage needs: see --plan)")
     # 20 steps, not 40: the default run is 8 processes, and on a 2-core laptop it must stay
     # under 30 s (each step costs about 0.5 s there, mostly the oversubscribed collectives).
     parser.set_defaults(steps=20)
@@ -160,7 +165,8 @@ def plan_layout(cfg, world_size):
             "layers": cfg.stages_per_rank * cfg.num_layers // num_stages,
             "in_flight": in_flight,
             "micro_batch": cfg.batch_size // (cfg.dp * cfg.microbatches),
-            "fsdp": True, "ddp_buckets": False}
+            "fsdp": True, "keeps_gathered": True, "sequence_parallel": False,
+            "ddp_buckets": False}
 
 
 # --- the composition: cut into stages, then TP inside each block, then FSDP -----------------
@@ -241,6 +247,8 @@ def build_stage_module(cfg, stage_id, num_stages, mesh, device, low_dtype):
     with torch.device("meta"):  # no memory for anything before it is sharded
         module = pipeline.cut_stage(build_model(cfg), stage_id, num_stages)
     apply_tp(module, mesh["tp"])
+    if cfg.activation_checkpointing:  # torchtitan's order: TP, then checkpointing, then FSDP
+        apply_activation_checkpointing(module)  # labkit: each block keeps only its input
     pipeline.apply_fsdp_to_stage(module, mesh["dp"], low_dtype)  # reshard_after_forward=False
     module.to_empty(device=device)
     init_sharded_weights(module, cfg.seed)  # labkit: each shard its slice of the same weights

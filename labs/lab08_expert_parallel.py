@@ -31,7 +31,7 @@ Measured on torch 2.13, 2 CPU cores: the default run at 2 ranks trains in 5-8 s 
 with torchrun's start-up); the gradient norms match the reference's to ~1e-6 (relative).
 The experts run one matmul per local expert; on GPUs torchtitan runs them as one grouped GEMM
 (torch._grouped_mm). The loss is cross-entropy + --aux-weight x the load-balancing loss.
---plan counts one expert's MLP per block (the dense model's shape), not all of them.
+--plan counts every expert, as the lab shards them (not the dense model's one MLP per block).
 Lesson: lessons/08_expert_parallel.py. Runbooks: runbooks/ (hangs, OOM).
 
 Copy it: this file and the folder labkit/ beside it (torch and the standard library only).
@@ -117,8 +117,9 @@ def parse_config(argv=None):
 
 
 def plan_layout(cfg, world_size):
-    """What each rank holds, for estimate_memory() and --plan. The estimate follows the dense
-    model's shapes (one MLP per block); with E experts a block's MLP is E/ep times larger."""
+    """What each rank holds, for estimate_memory() and --plan: every expert counts in a block's
+    state (sharded over ep x dp, the world), a rank gathers its ep group's experts, and each
+    token's activations hold top-k experts' hidden tensors."""
     return {"mesh": f"dp={world_size // cfg.ep}, ep={cfg.ep}; dense params fully_shard over all "
                     f"{world_size} ranks, experts over dp",
             "what": f"{cfg.num_experts} experts, top-{cfg.top_k}, all-to-all over ep; "
@@ -128,7 +129,8 @@ def plan_layout(cfg, world_size):
             "state_shards": world_size, "optimizer_shards": world_size,
             "tp": 1, "layers": cfg.num_layers, "in_flight": 1,
             "micro_batch": cfg.batch_size // (world_size * cfg.grad_accum),
-            "fsdp": True, "ddp_buckets": False}
+            "fsdp": True, "ddp_buckets": False,
+            "experts": (cfg.num_experts, cfg.top_k, cfg.ep)}
 
 
 def validate_layout(cfg, world_size):

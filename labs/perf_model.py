@@ -13,8 +13,10 @@ own stream can approach the overlapped one.
 
 The collectives per step, per strategy (n ranks, P parameter bytes in fp32 or the gather dtype):
     ddp     one all-reduce of the gradients, in buckets of --bucket-cap-mb (25 MiB)
-    fsdp    per unit (each block, then the root): an all-gather in forward, another in
-            backward (reshard_after_forward), a reduce-scatter of its gradients
+    fsdp    per block: an all-gather in forward, another in backward (the blocks reshard
+            after forward), a reduce-scatter of its gradients; the root (embeddings, final
+            norm, output) once each: fully_shard's default keeps the root gathered after
+            forward (reshard_after_forward=None), so backward needs no second all-gather
 
 Torch and stdlib only: the decision guide (tools/decision_guide.py) and lesson 06 import it.
 
@@ -76,12 +78,15 @@ def ddp_collectives(grad_bytes, bucket_bytes=DDP_BUCKET_BYTES):
 
 def fsdp_collectives(unit_param_bytes, gather_bytes_per_param=4, reduce_bytes_per_param=4):
     """[(op, bytes)] of one FSDP step, unit by unit. unit_param_bytes: fp32 bytes of each unit's
-    parameters (blocks, then the root). The all-gather's S is the gathered (output) buffer and
-    the reduce-scatter's S its input, as comm_bench measures them."""
+    parameters (blocks, then the root, last). The all-gather's S is the gathered (output) buffer
+    and the reduce-scatter's S its input, as comm_bench measures them. A block is gathered in
+    forward and again in backward; the root once (it stays gathered after forward): 2L + 1
+    all-gathers, as lab03's test counts them."""
     out = []
-    for fp32_bytes in unit_param_bytes:
+    for index, fp32_bytes in enumerate(unit_param_bytes):
         numel = fp32_bytes // 4
-        out += [("all_gather", numel * gather_bytes_per_param)] * 2  # forward, backward
+        gathers = 1 if index == len(unit_param_bytes) - 1 else 2  # the root: forward only
+        out += [("all_gather", numel * gather_bytes_per_param)] * gathers
         out.append(("reduce_scatter", numel * reduce_bytes_per_param))
     return out
 

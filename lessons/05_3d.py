@@ -19,7 +19,8 @@
 #
 # - say what each axis sends, how often, and therefore where it goes on a cluster: TP inside
 #   a node, PP and FSDP across nodes, with the numbers for a 70B model;
-# - read the memory per GPU of a 70B plan on 64 and on 512 GPUs from the course's estimator;
+# - read the memory per GPU of a 70B plan on 64 and on 512 GPUs from the course's estimator,
+#   and say why it fits only with activation checkpointing;
 # - build a `("pp", "dp", "tp")` mesh in torchtitan's order (cut into stages, then TP inside
 #   each block, then FSDP over dp) with `labs/lab05_3d.py`, and count one step's collectives
 #   per axis against the formula;
@@ -60,7 +61,7 @@ from spawn import launch_lab, run_workers  # noqa: E402
 # | axis | lesson | splits | sends | how often |
 # |---|---|---|---|---|
 # | tp | 03 | each weight matrix, by columns or rows | an all-reduce of one activation | 4 per block per microbatch (2 forward, 2 backward) |
-# | dp (FSDP) | 02 | each weight, into shards | the weights gathered, the gradients reduce-scattered | once per block per step |
+# | dp (FSDP) | 02 | each weight, into shards | the weights gathered, the gradients reduce-scattered | once per block per step, because under PP the lab keeps them gathered (`reshard_after_forward=False`); lab02's FSDP gathers twice |
 # | pp | 04 | the layers, into stages | one activation forward, its gradient back | once per microbatch per cut |
 #
 # The counts differ by orders of magnitude, and so must the links they run on. Below are the
@@ -96,7 +97,8 @@ assert traffic["tp"] > 10 * traffic["dp"] and traffic["dp"] > traffic["pp"]
 # %% [markdown]
 # Compare with the compute of that step. One rank does 1/(pp x tp) of each microbatch's
 # FLOPs: 65,536 tokens x 481 GFLOP per token / 32 = 986 TFLOP, about 2.5 s on an H100 at 40%
-# of its 989 TFLOP/s bf16 peak (the datasheet figure; a well-tuned run reaches 35-45%).
+# of its 989 TFLOP/s bf16 peak (the datasheet figure; 40% is a round, optimistic figure:
+# torchtitan's published Llama 3.1 8B run on 8 H100s reaches 34%, as lesson 06 computes).
 # TP's ~150 GB costs about 0.33 s on NVLink, a fraction of the compute, but 3 s on InfiniBand,
 # more than the compute: **TP stays inside a node**. FSDP's ~6.6 GB per step crosses
 # InfiniBand in about 0.13 s and overlaps with compute (lesson 02), and PP's ~2 GB is the
@@ -116,37 +118,52 @@ assert traffic["tp"] / NVLINK < 0.2 * compute_s < traffic["tp"] / INFINIBAND
 # ## Memory per GPU: a 70B plan on 64 and on 512 GPUs
 #
 # `--plan` prints what the busiest rank holds, from the course's estimator (AdamW with fp32
-# master weights: 16 bytes per parameter, divided over dp x tp; activations of the microbatches
-# in flight), and starts no process group, so it runs here. The busiest rank is the first
-# stage's: 20 blocks plus the embedding and output (the estimate counts both on every stage),
-# and with 1F1B the most microbatches in flight.
+# master weights: 16 bytes per parameter, divided over dp x tp; the weights FSDP keeps
+# gathered; activations of the microbatches in flight), and starts no process group, so it
+# runs here. The busiest rank is the first stage's: 20 blocks plus the embedding and output
+# (the estimate counts both on every stage), and with 1F1B the most microbatches in flight.
+# Two terms do not shrink as dp grows. Under pipelining the lab keeps every block of a stage
+# gathered for the whole step, each with an unsharded fp32 gradient
+# (`reshard_after_forward=False`, and the pipeline stage holds back FSDP's reshard and
+# gradient sync until the last microbatch: `torch/distributed/pipelining/stage.py`). And
+# without sequence parallel the norms' activations are whole on every tp rank: only the rest
+# of a block's activations is divided by tp (`tests/test_plan_measured.py` checks both terms
+# against bytes measured on CPU).
 
 # %%
-def plan(nproc, pp, dp, tp):
+def plan(nproc, pp, dp, tp, *extra):
     cmd = [sys.executable, str(ROOT / "labs" / "lab05_3d.py"), "--plan", "--model", "70b",
            "--nproc", str(nproc), "--gpu", "H100-80GB", "--pp", str(pp), "--dp", str(dp),
-           "--tp", str(tp), "--microbatches", "8"]
+           "--tp", str(tp), "--microbatches", "8", *extra]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
     items = dict(re.findall(r"^  (\S.*?)\s{2,}([\d.]+) GB", out, re.M))
     return out, {name: float(gb) for name, gb in items.items()}
 
 
-plans = {64: plan(64, pp=4, dp=2, tp=8), 512: plan(512, pp=4, dp=16, tp=8)}
-print(plans[64][0])
-for nproc, (_, items) in plans.items():
+plans = {"64 GPUs": plan(64, pp=4, dp=2, tp=8), "512 GPUs": plan(512, pp=4, dp=16, tp=8),
+         "64 GPUs, recompute": plan(64, 4, 2, 8, "--activation-checkpointing")}
+print(plans["64 GPUs"][0])
+for name, (_, items) in plans.items():
     state = items["params (fp32)"] + items["grads (fp32)"] + items["AdamW state (2 x fp32)"]
-    print(f"{nproc} GPUs: weights, grads and AdamW {state:6.2f} GB | activations "
+    print(f"{name:18s} weights, grads, AdamW {state:5.2f} GB | gathered stage "
+          f"{items['gathered (FSDP, whole stage)']:5.2f} GB | activations "
           f"{items['activations']:5.2f} GB | total {items['total']:6.2f} GB of 80")
-# Eight times the dp degree, an eighth of the state; the activations do not shrink with dp.
-assert abs(plans[64][1]["params (fp32)"] / plans[512][1]["params (fp32)"] - 8) < 0.01
-assert plans[64][1]["activations"] == plans[512][1]["activations"]
-assert plans[512][1]["total"] < plans[64][1]["total"] < 0.9 * 80
+small, big, recompute = (items for _, items in plans.values())
+# Eight times the dp degree, an eighth of the state; the gathered stage and the activations
+# do not shrink with dp, so more GPUs alone never make this layout fit.
+assert abs(small["params (fp32)"] / big["params (fp32)"] - 8) < 0.01
+assert small["activations"] == big["activations"] > 0.75 * 80
+assert small["gathered (FSDP, whole stage)"] == big["gathered (FSDP, whole stage)"]
+assert big["total"] > 0.9 * 80 and recompute["total"] < 0.9 * 80
 
 # %% [markdown]
-# At 64 GPUs the weights, gradients and AdamW state are a third of the total; at 512 they are
-# 5% of it, and what is left is activations: 8 microbatches' worth would not fit at all without 1F1B, which
-# keeps at most `pp` of them (lesson 04). Activation checkpointing (runbooks/oom-mitigations.md)
-# is the next lever, not more GPUs.
+# At 64 GPUs the plan needs 113 GB of an 80 GB H100, and at 512 still 96 GB: dp divides the
+# weights, gradients and AdamW state (19 GB, then 2.4 GB), but not the 14.4 GB of the gathered
+# stage, nor the 69 GB of activations (1F1B already keeps only `pp` of the 8 microbatches in
+# flight, lesson 04). More GPUs are the wrong lever. Activation checkpointing is the right one
+# (the lab's `--activation-checkpointing`; runbooks/oom-mitigations.md): each block keeps only
+# its input, 69 GB of activations become 14 GB, and the run fits on 64 GPUs (58 GB). Sequence
+# parallel, which lab05 does not have, would divide the norms' share by tp as well.
 
 # %% [markdown]
 # ## The code: cut, then TP, then FSDP
@@ -369,7 +386,8 @@ plt.show()
 #    per-step traffic does not overlap on your inter-node links. Then pick `m >= 4 pp`
 #    microbatches so the bubble `(pp - 1) / (m + pp - 1)` stays small (lesson 04).
 # 3. **dp**: everything left. It scales the batch, and with FSDP it divides the optimizer
-#    state: the 64 -> 512 GPU plan above.
+#    state (the 64 -> 512 GPU plan above), but not the activations: those take activation
+#    checkpointing or sequence parallel.
 #
 # `--plan` answers the memory question for any layout before you ask the cluster for GPUs.
 #
@@ -393,10 +411,11 @@ plt.show()
 # 2. **Interleaved.** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
 #    Interleaved1F1B --dp 2 --tp 2 --check-parity`: 4 stages on 2 pp ranks. Which counts in
 #    the formula double?
-# 3. **Plan your cluster.** With `--plan --model 70b --gpu H100-80GB`, find the smallest
-#    `--nproc` (a multiple of 32, with `--pp 4 --tp 8`) at which the plan fits, then try
-#    `--pp 8` (a multiple of 64). Self-check: the dp degree is `nproc / (pp x tp)`, so
-#    `nproc / 32` for pp 4 x tp 8 and `nproc / 64` for pp 8 x tp 8.
+# 3. **Plan your cluster.** With `--plan --model 70b --gpu H100-80GB --activation-checkpointing`,
+#    find the smallest `--nproc` (a multiple of 32, with `--pp 4 --tp 8`) at which the plan
+#    fits, then try `--pp 8` (a multiple of 64) and compare the activations line.
+#    Self-check: the dp degree is `nproc / (pp x tp)`, so `nproc / 32` for pp 4 x tp 8 and
+#    `nproc / 64` for pp 8 x tp 8.
 #
 # ## If it breaks
 #

@@ -62,13 +62,16 @@ def test_every_rank_says_where_it_sits_and_what_it_holds(default_run):
         assert "wq (64, 64) held as (16, 64)" in held, held
 
 
-def test_interleaved_on_4x1x2_with_clipping_matches_one_process(tmp_path):
+def test_interleaved_on_4x1x2_with_clipping_and_recompute_matches_one_process(tmp_path):
     """8 stages on 4 pp ranks (Interleaved1F1B), TP pairs, no FSDP. A tight --clip makes
     clipping act every step, so a gradient norm that counted the norms' tp copies twice would
-    break parity."""
+    break parity. With --activation-checkpointing: recomputing each block in backward, inside
+    TP and the pipeline, must give the same gradients."""
     _, metrics = run_lab(LAB, 8, ["--pp", "4", "--dp", "1", "--tp", "2", "--schedule",
                                   "Interleaved1F1B", "--clip", "0.05", "--check-parity",
-                                  "--steps", "6"], tmp_path, timeout=300)
+                                  "--activation-checkpointing", "--steps", "6"], tmp_path,
+                         timeout=300)
+    assert metrics["config"]["activation_checkpointing"] is True
     assert (metrics["pp_size"], metrics["stages_per_rank"]) == (4, 2)
     assert_parity(metrics)
 
@@ -119,3 +122,7 @@ def test_a_70b_plan_divides_the_state_by_dp_x_tp_and_starts_nothing():
     held = 20 * block + 2 * 128256 * 8192 + 8192
     shown = float(re.search(r"params \(fp32\)\s+([\d.]+) GB", proc.stdout).group(1))
     assert abs(shown - 4 * held / 16 / 1e9) < 0.005, (shown, 4 * held / 16 / 1e9)
+    # Under pipelining FSDP keeps the whole stage gathered (bf16) with fp32 gradients, 1/tp each.
+    gathered = float(re.search(r"gathered \(FSDP, whole stage\)\s+([\d.]+) GB", proc.stdout)[1])
+    assert abs(gathered - held * (2 + 4) / 8 / 1e9) < 0.005, gathered
+    assert "does NOT fit" in proc.stdout and "with --activation-checkpointing:" in proc.stdout

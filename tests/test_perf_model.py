@@ -32,10 +32,24 @@ def test_ddp_all_reduces_in_buckets():
     assert perf_model.ddp_collectives(25 * mib) == [("all_reduce", 25 * mib)]
 
 
-def test_fsdp_gathers_twice_and_reduce_scatters_once_per_unit():
-    collectives = perf_model.fsdp_collectives([400, 800], gather_bytes_per_param=2)
+def test_fsdp_gathers_a_block_twice_the_root_once_and_reduce_scatters_each_once():
+    """The root (last) stays gathered after forward under fully_shard's default: 2L + 1
+    all-gathers, as tests/test_lab03_tp_fsdp.py counts them in a real step."""
+    collectives = perf_model.fsdp_collectives([400, 600, 800], gather_bytes_per_param=2)
     assert collectives == [("all_gather", 200), ("all_gather", 200), ("reduce_scatter", 400),
-                           ("all_gather", 400), ("all_gather", 400), ("reduce_scatter", 800)]
+                           ("all_gather", 300), ("all_gather", 300), ("reduce_scatter", 600),
+                           ("all_gather", 400), ("reduce_scatter", 800)]
+
+
+def test_fsdp_traffic_equals_ddps_with_bf16_gathers_and_is_1_5x_in_fp32():
+    """The decision guide's claim: bf16 all-gathers and an fp32 reduce-scatter move 2 + 2 + 4 =
+    8 bytes per parameter, DDP's fp32 all-reduce 2 x 4 = 8; all in fp32, FSDP moves 12."""
+    common = dict(num_params=10 ** 9, flop_per_token=6e9, tokens_per_gpu=8192, world_size=8,
+                  peak_flops=1e15, link_bytes_per_s=4e11)
+    ddp = perf_model.datasheet_tokens_per_s("ddp", **common)["comm_s"]
+    bf16 = perf_model.datasheet_tokens_per_s("fsdp", **common)["comm_s"]
+    fp32 = perf_model.datasheet_tokens_per_s("fsdp", **common, gather_bytes=4)["comm_s"]
+    assert bf16 == pytest.approx(ddp) and fp32 == pytest.approx(1.5 * ddp)
 
 
 def test_the_bounds_bracket_the_step():

@@ -6,7 +6,10 @@ state_shards / optimizer_shards, the ranks that split each parameter's state; tp
 tensor-parallel degree; layers, the blocks a rank holds; in_flight, the micro-batches whose
 activations it holds at once; micro_batch, the sequences in each; fsdp, whether blocks are
 gathered whole; ddp_buckets, DDP's copy of the gradients; mesh, what and precision, words
-for the printout."""
+for the printout. Optional: keeps_gathered, FSDP under pipelining (reshard_after_forward=False:
+every block of the stage stays gathered, with an unsharded gradient, all step long);
+sequence_parallel, whether TP also splits the norms' activations; experts, (num_experts,
+top_k, ep) for a mixture of experts in every block."""
 
 import argparse
 import math
@@ -67,35 +70,68 @@ def device_capacity_bytes(device_type, num_local_ranks):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // num_local_ranks
 
 
-def activation_elements_per_token(cfg):
+def activation_elements_per_token(cfg, top_k=1):
     """Elements one block saves for backward per token, counted from Block.forward with a fused
     (flash) attention that keeps no seq x seq scores: the norms' inputs and outputs, q/k/v
-    before and after RoPE, the attention output, and SwiGLU's four hidden-width tensors."""
+    before and after RoPE, the attention output, and SwiGLU's four hidden-width tensors (once
+    per expert a token is routed to). Measured on CPU (tests/test_plan_measured.py): within 7%
+    above what autograd really saves per block."""
     kv_dim = cfg.num_kv_heads * (cfg.dim // cfg.num_heads)
-    return 9 * cfg.dim + 3 * kv_dim + 4 * cfg.ffn_dim
+    return 9 * cfg.dim + 3 * kv_dim + 4 * cfg.ffn_dim * top_k
+
+
+def replicated_elements_per_token(cfg):
+    """Of those, what tensor parallel without sequence parallel leaves whole on every tp rank:
+    the two norms' inputs and outputs (Korthikanti et al., arXiv:2205.05198, Table 2: the terms
+    only sequence parallel divides)."""
+    return 4 * cfg.dim
+
+
+def block_sizes(cfg, layout):
+    """(parameters of one block, the part of them one rank gathers at once), as the lab's model
+    has them: with experts, every expert counts in the block, and a rank gathers its ep
+    group's share of them (FSDP shards them over dp only)."""
+    shapes = parameter_shapes(cfg)
+    block = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0."))
+    if "experts" not in layout:
+        return block, block
+    num_experts, _, ep = layout["experts"]
+    mlp = 3 * cfg.dim * cfg.ffn_dim  # w1, w2, w3 of one expert
+    dense = block - mlp + cfg.dim * num_experts  # attention, norms, the router
+    return dense + num_experts * mlp, dense + num_experts // ep * mlp
 
 
 def estimate_memory(cfg, layout, dtype):
     """Bytes the busiest rank needs, by item (AdamW, fp32 master weights and gradients), for
     the lab's plan_layout (see the module docstring)."""
     shapes = parameter_shapes(cfg)
-    block = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0."))
+    block, gathered_block = block_sizes(cfg, layout)
     outside = sum(math.prod(s) for n, s in shapes.items() if not n.startswith("layers."))
     held = layout["layers"] * block + outside
     compute_bytes = 4 if dtype is None else 2
     tokens = layout["micro_batch"] * cfg.seq_len
-    per_block_act = activation_elements_per_token(cfg) * tokens * compute_bytes // layout["tp"]
+    tp, top_k = layout["tp"], (layout["experts"][1] if "experts" in layout else 1)
+    per_token = activation_elements_per_token(cfg, top_k)
+    whole = 0 if layout.get("sequence_parallel") or tp == 1 else replicated_elements_per_token(cfg)
+    per_block_act = (whole + (per_token - whole) / tp) * tokens * compute_bytes
     stored_blocks = 1 if getattr(cfg, "activation_checkpointing", False) else layout["layers"]
     checkpointed = (layout["layers"] - stored_blocks) * cfg.dim * tokens * compute_bytes
+    if layout.get("keeps_gathered"):
+        # Under pipelining every block of the stage stays gathered in the compute dtype, with
+        # an unsharded fp32 gradient, until the last microbatch (torch/distributed/pipelining/
+        # stage.py turns off reshard-after-backward and gradient sync until then).
+        gathered, what = (layout["layers"] * gathered_block + outside), "whole stage"
+    else:  # the block that computes and the one prefetched
+        gathered, what = 2 * gathered_block, "two blocks"
     items = {
         "params (fp32)": 4 * held // layout["state_shards"],
         "grads (fp32)": 4 * held // layout["state_shards"],
         "AdamW state (2 x fp32)": 8 * held // layout["optimizer_shards"],
         "DDP gradient buckets": 4 * held if layout["ddp_buckets"] else 0,
-        # The block that computes and the one prefetched, unsharded, with their gradients.
-        "gathered blocks (FSDP)": (2 * block * (compute_bytes + 4) // layout["tp"]
-                                   if layout["fsdp"] else 0),
-        "activations": layout["in_flight"] * (stored_blocks * per_block_act + checkpointed),
+        # Unsharded, with their unsharded gradients.
+        f"gathered (FSDP, {what})": (gathered * (compute_bytes + 4) // tp
+                                     if layout["fsdp"] else 0),
+        "activations": int(layout["in_flight"] * (stored_blocks * per_block_act + checkpointed)),
         # Logits in the compute dtype, their fp32 copy for the loss, and its gradient.
         "logits and loss": tokens * cfg.vocab_size * (compute_bytes + 8),
     }

@@ -18,7 +18,7 @@
 # 学完本课，你将能够：
 #
 # - 说清每个并行维度发送什么、多久发一次，进而判断它在集群上该放在哪里：TP 放在节点内，PP 和 FSDP 跨节点，并用 70B 模型的具体数字加以说明；
-# - 用课程的估算器，读出 70B 方案在 64 块和 512 块 GPU 上每块 GPU 的显存占用；
+# - 用课程的估算器，读出 70B 方案在 64 块和 512 块 GPU 上每块 GPU 的显存占用，并说明为什么只有打开激活检查点才放得下；
 # - 用 `labs/lab05_3d.py` 按 torchtitan 的顺序（先切分成阶段，再在每个 block 内做 TP，最后在 dp 上做 FSDP）构建 `("pp", "dp", "tp")` 设备网格，并按维度数出一步中的集合通信次数，与公式对照；
 # - 把三个维度的一步画在同一条时间线上；
 # - 证明三种布局训练出的模型与单进程训练的相同（一致性误差在 1e-5 以内），并且同一个检查点可以在三种不同的布局上恢复训练。
@@ -56,7 +56,7 @@ from spawn import launch_lab, run_workers  # noqa: E402
 # | 维度 | 所在课 | 切分什么 | 发送什么 | 多久一次 |
 # |---|---|---|---|---|
 # | tp | 03 | 每个权重矩阵，按列或按行切 | 对一个激活值做 all-reduce | 每个 block 每个微批次 4 次（前向 2 次，反向 2 次） |
-# | dp（FSDP） | 02 | 每个权重，切成分片 | all-gather 权重，reduce-scatter 梯度 | 每个 block 每步一次 |
+# | dp（FSDP） | 02 | 每个权重，切成分片 | all-gather 权重，reduce-scatter 梯度 | 每个 block 每步一次，因为在 PP 下实验让权重保持 gather 后的状态（`reshard_after_forward=False`）；lab02 的 FSDP 要 gather 两次 |
 # | pp | 04 | 模型的层，分成若干阶段 | 前向传出一个激活值，反向传回它的梯度 | 每个切分点每个微批次一次 |
 #
 # 这些次数相差好几个数量级，它们所走的链路也必须随之不同。下面算的是 Llama-3.1-70B（80 个 block，宽度 8192）在 64 块 GPU 上按 pp 4 x dp 2 x tp 8 布局时，每块 GPU 每步发送的字节数，设定为 8 个微批次、每个微批次一条 8192 token 的序列、bf16 激活值。这些数字由公式算出（环形集合通信，见第 00 课），不是实测值。
@@ -87,7 +87,7 @@ for axis, sent in traffic.items():
 assert traffic["tp"] > 10 * traffic["dp"] and traffic["dp"] > traffic["pp"]
 
 # %% [markdown]
-# 再和这一步的计算量比一比。一个 rank 承担每个微批次 FLOPs 的 1/(pp x tp)：65,536 个 token x 每 token 481 GFLOP / 32 = 986 TFLOP。H100 的 bf16 峰值为 989 TFLOP/s（数据手册上的数字；调优良好的训练能达到 35-45%），按 40% 计算约需 2.5 s。
+# 再和这一步的计算量比一比。一个 rank 承担每个微批次 FLOPs 的 1/(pp x tp)：65,536 个 token x 每 token 481 GFLOP / 32 = 986 TFLOP。H100 的 bf16 峰值为 989 TFLOP/s（数据手册上的数字；40% 是一个偏乐观的整数：torchtitan 公布的 Llama 3.1 8B 在 8 块 H100 上的训练达到 34%，第 06 课会算出这个数），按 40% 计算约需 2.5 s。
 #
 # TP 的约 150 GB 在 NVLink 上约需 0.33 s，只占计算时间的一小部分；但在 InfiniBand 上要 3 s，比计算还长：**TP 必须留在节点内**。FSDP 每步约 6.6 GB，走 InfiniBand 约需 0.13 s，而且能与计算重叠（第 02 课）；PP 的约 2 GB 是三者中最轻的：**PP 和 DP 跨节点**。设备网格的维度顺序（从最外层开始）由此而来：`("pp", "dp", "tp")`，这样一个 TP 组就是 8 个连续的 rank，正好一个节点。
 
@@ -103,33 +103,38 @@ assert traffic["tp"] / NVLINK < 0.2 * compute_s < traffic["tp"] / INFINIBAND
 # %% [markdown]
 # ## 每块 GPU 的显存：70B 方案在 64 块和 512 块 GPU 上
 #
-# `--plan` 打印最忙的那个 rank 持有的内容，数字来自课程的估算器：AdamW 加 fp32 主权重，每个参数 16 字节，按 dp x tp 均分；再加上在途微批次的激活值。它不创建进程组，所以在这里就能运行。
+# `--plan` 打印最忙的那个 rank 持有的内容，数字来自课程的估算器：AdamW 加 fp32 主权重，每个参数 16 字节，按 dp x tp 均分；FSDP 保持 gather 后状态的权重；再加上在途微批次的激活值。它不创建进程组，所以在这里就能运行。
 #
-# 最忙的 rank 属于第一个阶段：20 个 block，外加词嵌入层和输出层（估算时每个阶段都把这两者算进去），而且在 1F1B 下，它同时在途的微批次最多。
+# 最忙的 rank 属于第一个阶段：20 个 block，外加词嵌入层和输出层（估算时每个阶段都把这两者算进去），而且在 1F1B 下，它同时在途的微批次最多。有两项不随 dp 增大而缩小。在流水线下，实验让一个阶段的每个 block 在整个一步内都保持 gather 后的状态，每个 block 还带着一份未分片的 fp32 梯度（`reshard_after_forward=False`，而且流水线阶段会把 FSDP 的重新分片和梯度同步推迟到最后一个微批次：`torch/distributed/pipelining/stage.py`）。另外，没有序列并行时，norm 的激活值在每个 tp rank 上都是完整的：一个 block 的激活值中只有其余部分按 tp 均分（`tests/test_plan_measured.py` 用 CPU 上实测的字节数检验这两项）。
 
 # %%
-def plan(nproc, pp, dp, tp):
+def plan(nproc, pp, dp, tp, *extra):
     cmd = [sys.executable, str(ROOT / "labs" / "lab05_3d.py"), "--plan", "--model", "70b",
            "--nproc", str(nproc), "--gpu", "H100-80GB", "--pp", str(pp), "--dp", str(dp),
-           "--tp", str(tp), "--microbatches", "8"]
+           "--tp", str(tp), "--microbatches", "8", *extra]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
     items = dict(re.findall(r"^  (\S.*?)\s{2,}([\d.]+) GB", out, re.M))
     return out, {name: float(gb) for name, gb in items.items()}
 
 
-plans = {64: plan(64, pp=4, dp=2, tp=8), 512: plan(512, pp=4, dp=16, tp=8)}
-print(plans[64][0])
-for nproc, (_, items) in plans.items():
+plans = {"64 GPUs": plan(64, pp=4, dp=2, tp=8), "512 GPUs": plan(512, pp=4, dp=16, tp=8),
+         "64 GPUs, recompute": plan(64, 4, 2, 8, "--activation-checkpointing")}
+print(plans["64 GPUs"][0])
+for name, (_, items) in plans.items():
     state = items["params (fp32)"] + items["grads (fp32)"] + items["AdamW state (2 x fp32)"]
-    print(f"{nproc} GPUs: weights, grads and AdamW {state:6.2f} GB | activations "
+    print(f"{name:18s} weights, grads, AdamW {state:5.2f} GB | gathered stage "
+          f"{items['gathered (FSDP, whole stage)']:5.2f} GB | activations "
           f"{items['activations']:5.2f} GB | total {items['total']:6.2f} GB of 80")
-# Eight times the dp degree, an eighth of the state; the activations do not shrink with dp.
-assert abs(plans[64][1]["params (fp32)"] / plans[512][1]["params (fp32)"] - 8) < 0.01
-assert plans[64][1]["activations"] == plans[512][1]["activations"]
-assert plans[512][1]["total"] < plans[64][1]["total"] < 0.9 * 80
+small, big, recompute = (items for _, items in plans.values())
+# Eight times the dp degree, an eighth of the state; the gathered stage and the activations
+# do not shrink with dp, so more GPUs alone never make this layout fit.
+assert abs(small["params (fp32)"] / big["params (fp32)"] - 8) < 0.01
+assert small["activations"] == big["activations"] > 0.75 * 80
+assert small["gathered (FSDP, whole stage)"] == big["gathered (FSDP, whole stage)"]
+assert big["total"] > 0.9 * 80 and recompute["total"] < 0.9 * 80
 
 # %% [markdown]
-# 在 64 块 GPU 上，权重、梯度和 AdamW 状态占总量的三分之一；到了 512 块 GPU，它们只占 5%，剩下的全是激活值。如果没有 1F1B（它最多只保留 `pp` 个微批次的激活值，见第 04 课），8 个微批次的激活值根本放不下。下一步该动用的是激活检查点（runbooks/oom-mitigations.md），而不是加 GPU。
+# 在 64 块 GPU 上，这个方案需要 113 GB，而 H100 只有 80 GB；到了 512 块仍需 96 GB：dp 能均分权重、梯度和 AdamW 状态（从 19 GB 降到 2.4 GB），却分不了 14.4 GB 的 gather 后的整个阶段，也分不了 69 GB 的激活值（1F1B 已经只保留 8 个微批次中的 `pp` 个，见第 04 课）。加 GPU 是用错了力。该用的是激活检查点（实验的 `--activation-checkpointing`；runbooks/oom-mitigations.md）：每个 block 只保留它的输入，69 GB 的激活值降到 14 GB，64 块 GPU 就放得下（58 GB）。lab05 没有的序列并行，还能把 norm 那部分也按 tp 均分。
 
 # %% [markdown]
 # ## 代码：先切分，再 TP，最后 FSDP
@@ -315,7 +320,7 @@ plt.show()
 #
 # 1. **tp**：取能让一个 block 的权重和激活值放得下的最小并行度，且绝不超过一个节点内的 GPU 数（大多数服务器是 8）。每翻一倍，矩阵乘法减半，也不会引入新的集合通信；但每个 rank 的矩阵乘法变小了，它要分担的 all-reduce 却更大了。
 # 2. **pp**：只有在剩下的 GPU 上用 FSDP 仍然放不下模型，或者 FSDP 每步的通信在你的节点间链路上无法被重叠时才用。用的话，微批次数取 `m >= 4 pp`，让气泡 `(pp - 1) / (m + pp - 1)` 保持在较小水平（第 04 课）。
-# 3. **dp**：剩下的全部给它。它扩大 batch，配合 FSDP 还能均分优化器状态：就是上面从 64 块到 512 块 GPU 的那个方案。
+# 3. **dp**：剩下的全部给它。它扩大 batch，配合 FSDP 还能均分优化器状态（就是上面从 64 块到 512 块 GPU 的那个方案），但分不了激活值：那要靠激活检查点或序列并行。
 #
 # `--plan` 让你在向集群申请 GPU 之前，就能回答任意布局的显存问题。
 #
@@ -332,7 +337,7 @@ plt.show()
 #    "2"]` 重新运行记录器（4 个阶段，每个阶段 1 个 block）。先预测：中间阶段 send 和 receive 各 `2 m` 次；dp 为 1 时，FSDP 完全不发起集合通信（只有一个 rank 的组会被它跳过；入门路线的练习 5.1 会在每个 rank 上检查这一点）。
 # 2. **交错调度。** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
 #    Interleaved1F1B --dp 2 --tp 2 --check-parity`：2 个 pp rank 上共 4 个阶段。公式里哪些次数会翻倍？
-# 3. **规划你的集群。** 用 `--plan --model 70b --gpu H100-80GB` 找出能让方案放得下的最小 `--nproc`（32 的倍数，配合 `--pp 4 --tp 8`），然后试试 `--pp 8`（64 的倍数）。自查：dp 并行度等于 `nproc / (pp x tp)`，即 pp 4 x tp 8 时为 `nproc / 32`，pp 8 x tp 8 时为 `nproc / 64`。
+# 3. **规划你的集群。** 用 `--plan --model 70b --gpu H100-80GB --activation-checkpointing` 找出能让方案放得下的最小 `--nproc`（32 的倍数，配合 `--pp 4 --tp 8`），然后试试 `--pp 8`（64 的倍数），比较激活值那一行。自查：dp 并行度等于 `nproc / (pp x tp)`，即 pp 4 x tp 8 时为 `nproc / 32`，pp 8 x tp 8 时为 `nproc / 64`。
 #
 # ## 出问题时
 #
