@@ -139,6 +139,7 @@ def validate_pipeline(cfg, world_size):
     validate_stages(cfg, SCHEDULES[cfg.schedule], pp_size)
 
 
+# The point of the lab: place the stages on ranks, cut the model, run the pipeline.
 def stage_ids_for_rank(pp_rank, pp_size, cfg):
     """The stages this rank runs, in the order the schedule expects them."""
     if SCHEDULES[cfg.schedule]["placement"] == "v":
