@@ -50,7 +50,6 @@ Use it in your project:
 
 import contextlib
 import datetime
-import functools
 import math
 
 import torch
@@ -61,8 +60,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labkit.checkpoint import (export_consolidated, full_state_dict, latest_checkpoint,
-                              restore_rng_state, rng_state, save_dcp_atomically)
+from labkit.checkpoint import (full_state_once, latest_checkpoint, restore_rng_state, rng_state,
+                              save_dcp_atomically)
 from labkit.data import micro_batches
 from labkit.errors import fail_config
 from labkit.flags import make_parser, planned_world_size, validate_common
@@ -322,12 +321,9 @@ def run(cfg, rank, world_size, device, wall_start):
     """Train, export, report (and check parity). Every model, and any DDP reducer, lives and
     dies in here, before the process group goes."""
     model, mesh, log, probe, precision = train(cfg, rank, world_size, device)
-    # labkit/checkpoint.py: all-gathers every parameter to rank 0 (a collective), at most once
-    full_state = functools.cache(lambda: full_state_dict(model))
-    if cfg.export:
-        state = full_state()
-        if rank == 0:
-            export_consolidated(state, cfg.export)
+    # labkit/checkpoint.py: every parameter in full on rank 0 (a collective), gathered at most
+    # once, for --export now and --check-parity later
+    full_state = full_state_once(cfg, model, rank)
     extra = {"strategy": cfg.strategy, "precision": precision,
              "num_params": sum(p.numel() for p in model.parameters()),
              "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh else None,

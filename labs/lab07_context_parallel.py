@@ -56,14 +56,13 @@ Use it in your project:
 
 import contextlib
 import datetime
-import functools
 import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from labkit.checkpoint import export_consolidated, full_state_dict, load_sharded, save_sharded
+from labkit.checkpoint import full_state_once, load_sharded, save_sharded
 from labkit.data import micro_batches
 from labkit.errors import fail_config
 from labkit.flags import make_parser, planned_world_size, validate_common
@@ -369,12 +368,9 @@ def train(cfg, rank, world_size, device):
 def run(cfg, rank, world_size, device, wall_start):
     """Train, export, report (and check parity). Every model lives and dies in here."""
     model, layout_mesh, log, probe = train(cfg, rank, world_size, device)
-    # labkit/checkpoint.py: all-gathers every parameter to rank 0 (a collective), at most once
-    full_state = functools.cache(lambda: full_state_dict(model))
-    if cfg.export:
-        state = full_state()
-        if rank == 0:
-            export_consolidated(state, cfg.export)
+    # labkit/checkpoint.py: every parameter in full on rank 0 (a collective), gathered at most
+    # once, for --export now and --check-parity later
+    full_state = full_state_once(cfg, model, rank)
     extra = {"cp": cfg.cp, "cp_layout": cfg.layout,
              "precision": precision_name(compute_dtype(cfg, device.type)),
              "num_params": sum(p.numel() for p in model.parameters()),

@@ -61,7 +61,6 @@ Use it in your project:
 
 import contextlib
 import datetime
-import functools
 import math
 
 import torch
@@ -75,7 +74,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from labkit.checkpoint import export_consolidated, full_state_dict, load_sharded, save_sharded
+from labkit.checkpoint import full_state_once, load_sharded, save_sharded
 from labkit.data import micro_batches
 from labkit.errors import fail_config, refuse_negative
 from labkit.flags import make_parser, planned_world_size, validate_common
@@ -449,12 +448,9 @@ def train(cfg, rank, world_size, device):
 def run(cfg, rank, world_size, device, wall_start):
     """Train, export, report (and check parity). Every model lives and dies in here."""
     model, layout_mesh, log, routed_loss, grad_norms = train(cfg, rank, world_size, device)
-    # labkit/checkpoint.py: all-gathers every parameter to rank 0 (a collective), at most once
-    full_state = functools.cache(lambda: full_state_dict(model))
-    if cfg.export:
-        state = full_state()
-        if rank == 0:
-            export_consolidated(state, cfg.export)
+    # labkit/checkpoint.py: every parameter in full on rank 0 (a collective), gathered at most
+    # once, for --export now and --check-parity later
+    full_state = full_state_once(cfg, model, rank)
     routed = routed_loss.routed.clone()
     dist.all_reduce(routed)  # every rank's routing choices, this run's steps
     extra = {"ep": cfg.ep, "num_experts": cfg.num_experts, "top_k": cfg.top_k,

@@ -2,6 +2,7 @@
 files or the new one, never a half-written one. Two forms: one torch.save file written by
 rank 0 (the replicated labs), or a DCP directory that every rank writes its shards into."""
 
+import functools
 import json
 import os
 import shutil
@@ -153,6 +154,17 @@ def load_sharded(cfg, model, optimizer, rank):
     if rank == 0:
         print(f"resumed from {path} at step {step}", flush=True)
     return step
+
+
+def full_state_once(cfg, model, rank):
+    """A getter of full_state_dict(model) that all-gathers at most once (it is a collective:
+    every rank calls it), for --export now and --check-parity later. Writes --export if asked."""
+    full_state = functools.cache(lambda: full_state_dict(model))
+    if cfg.export:
+        state = full_state()
+        if rank == 0:
+            export_consolidated(state, cfg.export)
+    return full_state
 
 
 def export_consolidated(state, path):

@@ -87,11 +87,11 @@ def replicated_elements_per_token(cfg):
     return 4 * cfg.dim
 
 
-def block_sizes(cfg, layout):
+def block_sizes(cfg, layout, shapes):
     """(parameters of one block, the part of them one rank gathers at once), as the lab's model
-    has them: with experts, every expert counts in the block, and a rank gathers its ep
-    group's share of them (FSDP shards them over dp only)."""
-    shapes = parameter_shapes(cfg)
+    has them (shapes: the dense model's, parameter_shapes(cfg)): with experts, every expert
+    counts in the block, and a rank gathers its ep group's share of them (FSDP shards them
+    over dp only)."""
     block = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0."))
     if "experts" not in layout:
         return block, block
@@ -105,7 +105,7 @@ def estimate_memory(cfg, layout, dtype):
     """Bytes the busiest rank needs, by item (AdamW, fp32 master weights and gradients), for
     the lab's plan_layout (see the module docstring)."""
     shapes = parameter_shapes(cfg)
-    block, gathered_block = block_sizes(cfg, layout)
+    block, gathered_block = block_sizes(cfg, layout, shapes)
     outside = sum(math.prod(s) for n, s in shapes.items() if not n.startswith("layers."))
     held = layout["layers"] * block + outside
     compute_bytes = 4 if dtype is None else 2
