@@ -113,7 +113,8 @@ def plan_layout(cfg, world_size):
             "optimizer_shards": shards if fsdp else world_size if cfg.strategy == "zero1" else 1,
             "tp": 1, "layers": cfg.num_layers, "in_flight": 1,
             "micro_batch": cfg.batch_size // (world_size * cfg.grad_accum),
-            "fsdp": fsdp, "ddp_buckets": not fsdp}
+            "fsdp": fsdp, "reshard_after_forward": cfg.reshard_after_forward == "true",
+            "ddp_buckets": not fsdp}
 
 
 def fsdp_param_dtype(cfg, device_type):

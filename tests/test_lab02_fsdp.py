@@ -155,6 +155,22 @@ def test_estimator_predicts_what_ranks_hold(memory_runs):
         assert max_total(metrics) == pytest.approx(e.total_bytes, rel=TOL)
 
 
+def test_the_plan_predicts_the_state_ranks_hold(memory_runs, monkeypatch):
+    """--plan's params, grads and AdamW state per rank (labkit/plan.py), against the bytes the
+    ranks held after a step, for DDP, ZeRO-1 and FSDP at each world size."""
+    from labkit import plan
+
+    for (strategy, world_size), metrics in memory_runs.items():
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
+        cfg = lab.parse_config(["--strategy", strategy])
+        items = plan.estimate_memory(cfg, lab.plan_layout(cfg, world_size), None)
+        held = metrics["state_bytes_per_rank"]
+        for part, item in [("params", "params (fp32)"), ("grads", "grads (fp32)"),
+                           ("optimizer", "AdamW state (2 x fp32)")]:
+            assert max(held[part]) == pytest.approx(items[item], rel=TOL), (strategy, part)
+
+
 def test_zero_stages_side_by_side(memory_runs, fsdp2, fsdp4):
     ddp, zero1 = memory_runs[("ddp", 2)], memory_runs[("zero1", 2)]
     full = 4 * ddp["num_params"]

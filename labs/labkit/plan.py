@@ -6,8 +6,9 @@ state_shards / optimizer_shards, the ranks that split each parameter's state; tp
 tensor-parallel degree; layers, the blocks a rank holds; in_flight, the micro-batches whose
 activations it holds at once; micro_batch, the sequences in each; fsdp, whether blocks are
 gathered whole; ddp_buckets, DDP's copy of the gradients; mesh, what and precision, words
-for the printout. Optional: keeps_gathered, FSDP under pipelining (reshard_after_forward=False:
-every block of the stage stays gathered, with an unsharded gradient, all step long);
+for the printout. Optional: reshard_after_forward (default true), whether FSDP frees a
+block's gathered params after its forward; keeps_gathered, FSDP under pipelining (every
+block of the stage stays gathered, with an unsharded gradient, all step long);
 sequence_parallel, whether TP also splits the norms' activations; experts, (num_experts,
 top_k, ep) for a mixture of experts in every block."""
 
@@ -60,6 +61,7 @@ MEMORY_LEFT_OUT = (
     "temporaries inside one op (attention workspace, the optimizer's foreach buffers)",
     "a checkpoint's staging copies while it is saved",
 )
+GATHERED = "gathered (FSDP)"  # the item of what FSDP holds unsharded: gathered_bytes()
 FIT_FRACTION = 0.9  # the estimate may fill 90% of a device; the rest is for MEMORY_LEFT_OUT
 
 
@@ -70,14 +72,22 @@ def device_capacity_bytes(device_type, num_local_ranks):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // num_local_ranks
 
 
-def activation_elements_per_token(cfg, top_k=1):
+def activation_elements_per_token(cfg, experts=None):
     """Elements one block saves for backward per token, counted from Block.forward with a fused
     (flash) attention that keeps no seq x seq scores: the norms' inputs and outputs, q/k/v
-    before and after RoPE, the attention output, and SwiGLU's four hidden-width tensors (once
-    per expert a token is routed to). Measured on CPU (tests/test_plan_measured.py): within 7%
-    above what autograd really saves per block."""
+    before and after RoPE, the attention output, and SwiGLU's four hidden-width tensors.
+    experts, (num_experts, top_k, load): for each of a token's top_k routing choices, the
+    experts' input row and SwiGLU's tensors, times load (the most of the even share of tokens
+    an ep rank's experts may receive: --capacity-factor, or 1.0, an even router, without
+    one), and the combined output row; and the router's probabilities. Measured on CPU
+    (tests/test_plan_measured.py): within 7% above what autograd really saves per block."""
     kv_dim = cfg.num_kv_heads * (cfg.dim // cfg.num_heads)
-    return 9 * cfg.dim + 3 * kv_dim + 4 * cfg.ffn_dim * top_k
+    attention = 9 * cfg.dim + 3 * kv_dim
+    if experts is None:
+        return attention + 4 * cfg.ffn_dim
+    num_experts, top_k, load = experts
+    routed = (4 * cfg.ffn_dim + cfg.dim) * load + cfg.dim
+    return int(attention + top_k * routed + num_experts)
 
 
 def replicated_elements_per_token(cfg):
@@ -101,36 +111,80 @@ def block_sizes(cfg, layout, shapes):
     return dense + num_experts * mlp, dense + num_experts // ep * mlp
 
 
+def expert_routing(cfg, layout):
+    """(num_experts, top_k, load) of a mixture of experts (see activation_elements_per_token),
+    or None for a dense model."""
+    if "experts" not in layout:
+        return None
+    num_experts, top_k, _ = layout["experts"]
+    return num_experts, top_k, getattr(cfg, "capacity_factor", 0) or 1.0
+
+
+def unbounded_routing(cfg, layout):
+    """What the activations leave out for a mixture of experts without a capacity cap."""
+    if "experts" in layout and not getattr(cfg, "capacity_factor", 0):
+        return ("the tokens an unbalanced router sends an ep rank beyond its even share "
+                "(no --capacity-factor to bound them)",)
+    return ()
+
+
+def gathered_bytes(cfg, layout, unit, root, compute_bytes):
+    """(bytes, words) FSDP holds unsharded at the step's peak, params in the compute dtype and
+    gradients in fp32. unit: the params one block gathers; root: those outside the blocks,
+    which the root keeps gathered from forward to the end of backward. The larger of:
+    - forward: the root, the block computing and the one prefetched (every block, with
+      reshard_after_forward=False), and the buffer of the last all-gather, which FSDP keeps
+      until the next one is copied out; with gradient accumulation, the unsharded gradients
+      of the micro-steps before (set_requires_gradient_sync(False) keeps every block's);
+    - backward: the root and two blocks (one computing, one prefetched), with gradients
+      (every block's, with accumulation).
+    Under pipelining every block of the stage stays gathered with its gradient all step:
+    torch/distributed/pipelining/stage.py holds back FSDP's reshard and gradient sync until
+    the last microbatch. Checked against torch's FSDPMemTracker on CPU
+    (tests/test_plan_measured.py)."""
+    layers, c = layout["layers"], compute_bytes
+    if layout.get("keeps_gathered"):
+        return (root + layers * unit) * (c + 4), "the root and the whole stage, with gradients"
+    forward_blocks = 2 if layout.get("reshard_after_forward", True) else layers
+    grad_blocks = layers if getattr(cfg, "grad_accum", 1) > 1 else 0
+    forward = (root + forward_blocks * unit + max(root, unit)) * c
+    forward += (root + grad_blocks * unit) * 4 if grad_blocks else 0
+    backward = (root + 2 * unit) * c + (root + max(grad_blocks, 2) * unit) * 4
+    grads = ", every block's gradient" if grad_blocks else ""
+    if forward > backward:
+        return forward, (f"in forward, the root, {forward_blocks} blocks, the last all-gather's "
+                         f"buffer{grads}")
+    return backward, "in backward, the root and two blocks, with gradients" + grads
+
+
+def model_sizes(cfg, layout):
+    """(params of one block, the part of them one rank gathers at once, params outside the
+    blocks), from the dense model's shapes and the layout (block_sizes)."""
+    shapes = parameter_shapes(cfg)
+    outside = sum(math.prod(s) for n, s in shapes.items() if not n.startswith("layers."))
+    return (*block_sizes(cfg, layout, shapes), outside)
+
+
 def estimate_memory(cfg, layout, dtype):
     """Bytes the busiest rank needs, by item (AdamW, fp32 master weights and gradients), for
     the lab's plan_layout (see the module docstring)."""
-    shapes = parameter_shapes(cfg)
-    block, gathered_block = block_sizes(cfg, layout, shapes)
-    outside = sum(math.prod(s) for n, s in shapes.items() if not n.startswith("layers."))
+    block, gathered_block, outside = model_sizes(cfg, layout)
     held = layout["layers"] * block + outside
     compute_bytes = 4 if dtype is None else 2
     tokens = layout["micro_batch"] * cfg.seq_len
-    tp, top_k = layout["tp"], (layout["experts"][1] if "experts" in layout else 1)
-    per_token = activation_elements_per_token(cfg, top_k)
+    tp = layout["tp"]
+    per_token = activation_elements_per_token(cfg, expert_routing(cfg, layout))
     whole = 0 if layout.get("sequence_parallel") or tp == 1 else replicated_elements_per_token(cfg)
     per_block_act = (whole + (per_token - whole) / tp) * tokens * compute_bytes
     stored_blocks = 1 if getattr(cfg, "activation_checkpointing", False) else layout["layers"]
     checkpointed = (layout["layers"] - stored_blocks) * cfg.dim * tokens * compute_bytes
-    if layout.get("keeps_gathered"):
-        # Under pipelining every block of the stage stays gathered in the compute dtype, with
-        # an unsharded fp32 gradient, until the last microbatch (torch/distributed/pipelining/
-        # stage.py turns off reshard-after-backward and gradient sync until then).
-        gathered, what = (layout["layers"] * gathered_block + outside), "whole stage"
-    else:  # the block that computes and the one prefetched
-        gathered, what = 2 * gathered_block, "two blocks"
+    gathered, _ = gathered_bytes(cfg, layout, gathered_block, outside, compute_bytes)
     items = {
         "params (fp32)": 4 * held // layout["state_shards"],
         "grads (fp32)": 4 * held // layout["state_shards"],
         "AdamW state (2 x fp32)": 8 * held // layout["optimizer_shards"],
         "DDP gradient buckets": 4 * held if layout["ddp_buckets"] else 0,
-        # Unsharded, with their unsharded gradients.
-        f"gathered (FSDP, {what})": (gathered * (compute_bytes + 4) // tp
-                                     if layout["fsdp"] else 0),
+        GATHERED: gathered // tp if layout["fsdp"] else 0,
         "activations": int(layout["in_flight"] * (stored_blocks * per_block_act + checkpointed)),
         # Logits in the compute dtype, their fp32 copy for the loss, and its gradient.
         "logits and loss": tokens * cfg.vocab_size * (compute_bytes + 8),
@@ -176,9 +230,13 @@ def print_plan(cfg, layout, world_size):
              + (f"; peak {peak / 1e12:.0f} TFLOP/s per GPU" if peak else ""),
              "memory per rank (estimate, the busiest rank):"]
     lines += [f"  {name:28s} {value / 1e9:8.2f} GB" for name, value in items.items()]
+    if GATHERED in items:
+        _, unit, root = model_sizes(cfg, layout)
+        words = gathered_bytes(cfg, layout, unit, root, 4 if dtype is None else 2)[1]
+        lines.append(f"  ({GATHERED}: {words})")
     lines += [f"  {'total':28s} {need / 1e9:8.2f} GB of {capacity / 1e9:.1f} GB: "
               f"{'fits' if fits else 'does NOT fit'} (limit {FIT_FRACTION:.0%})",
-              "not counted: " + "; ".join(MEMORY_LEFT_OUT)]
+              "not counted: " + "; ".join(MEMORY_LEFT_OUT + unbounded_routing(cfg, layout))]
     if not fits and getattr(cfg, "activation_checkpointing", True) is False:
         recompute = argparse.Namespace(**{**vars(cfg), "activation_checkpointing": True})
         total = sum(estimate_memory(recompute, layout, dtype).values())

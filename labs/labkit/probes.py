@@ -46,7 +46,7 @@ def unsharded_param_bytes(model):
 class FirstStepBytes:
     """Measures the first training step that runs: the unsharded parameter bytes right after
     its first forward, and the state bytes right after optimizer.step() (before zero_grad
-    frees the gradients). Then its hooks remove themselves. Its values are per rank. A step
+    frees the gradients). Its values are per rank. A step
     with no forward before it (the fake one get_state_dict() takes to create optimizer state)
     is not measured, and neither is one that fp16's GradScaler skips (it never calls step)."""
 
@@ -60,14 +60,16 @@ class FirstStepBytes:
         self.values.setdefault("unsharded_after_forward", unsharded_param_bytes(module))
 
     def after_step(self, optimizer, args, kwargs):
-        if "unsharded_after_forward" not in self.values:
-            return  # not a training step
+        if "unsharded_after_forward" not in self.values or "params" in self.values:
+            return  # not a training step, or not the first
+        # The hooks stay until report(): removing one while torch iterates over the hooks
+        # would break the iteration for any hook registered after it.
         self.values.update(measure_state_bytes(self.model, self.optimizer))
-        for hook in self.hooks:
-            hook.remove()
 
     def report(self, world_size):
         """Every rank's values, gathered (a collective: every rank calls it)."""
+        for hook in self.hooks:
+            hook.remove()
         per_rank = gather_per_rank({k: self.values.get(k) for k in
                                     ("params", "grads", "optimizer", "unsharded_after_forward")},
                                    world_size)
