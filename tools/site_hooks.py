@@ -9,8 +9,10 @@
 """
 
 import difflib
+import hashlib
 import json
 import logging
+import posixpath
 import re
 import sys
 import textwrap
@@ -293,11 +295,30 @@ def torchrun_flags_page(lang="en"):
     return f"# {title} (torch {torch.__version__})\n\n{intro}\n\n" + "\n".join(rows) + "\n"
 
 
+def message_token(message):
+    """One search token that stands for a message of the error index: lowercase letters and
+    digits, which the site's search separator never splits."""
+    return "msg" + hashlib.sha1(message.encode()).hexdigest()[:12]
+
+
+def pages_quoting(messages):
+    """{message: how many English pages quote it}: the runbooks and the reference pages, the
+    error index left out. The fewer, the more a message says which page explains a line."""
+    pages = [p.read_text() for p in [*(ROOT / "runbooks").glob("*.md"),
+                                     *(ROOT / "docs").rglob("*.md")]
+             if p.name != "errors.md"]
+    return {m: sum(m in text for text in pages) for m in messages}
+
+
 def error_messages_script():
-    """The error index's stable substrings, longest first, for the search box: a pasted log
-    line is searched for the known message it contains (docs/javascripts/search-log-line.js)."""
+    """The error index's messages for the search box, longest first, each with its search
+    token (the "messages" field of the section that explains it holds the token) and the
+    pages quoting it: a pasted log line is searched for the known message it contains
+    (docs/javascripts/search-log-line.js)."""
     messages = sorted({e.message for e in error_index.parse_index()}, key=len, reverse=True)
-    return f"window.courseErrorMessages = {json.dumps(messages, indent=0)};\n"
+    quoted = pages_quoting(messages)
+    entries = [{"message": m, "token": message_token(m), "pages": quoted[m]} for m in messages]
+    return f"window.courseErrorMessages = {json.dumps(entries, indent=0)};\n"
 
 
 def add_generated(files, config, src_uri, content):
@@ -438,19 +459,50 @@ _REPO_LINK = re.compile(r'href="((?:\.\./)*(?:lessons|labs|runbooks)/[^"#]+?)\.(
 
 
 # Search weights, read by the search plugin from page.meta (kept here, not in front matter, so
-# every page still starts with its "# <what you see>" title). A pasted log line is searched for
-# its message (docs/javascripts/search-log-line.js); these settle which of the pages quoting a
-# common message comes first: the one the error index names.
+# every page still starts with its "# <what you see>" title). Which page a pasted log line
+# finds is settled by the error index (MESSAGES_FIELD), not by weights.
 SEARCH_SETTINGS = {
     "runbooks/errors.md": {"exclude": True},  # the list never stands in front of the page
     "runbooks/index.md": {"boost": 0.3},      # a list of symptoms, the same
-    "runbooks/collective-timeout.md": {"boost": 2},  # the gloo timeout, also on rank0-busy
-    "runbooks/exit-hang.md": {"boost": 2},    # `Connection closed by peer`, quoted on 4 pages
-    "runbooks/address-in-use.md": {"boost": 2},
-    "runbooks/oom-reading-the-error.md": {"boost": 4},  # `CUDA out of memory`, on 5 pages
-    "runbooks/dataloader-shared-memory.md": {"boost": 2},  # /dev/shm, also on worker-killed
+    # Where an out-of-memory error starts: the words a reader types for one (CUDA out of
+    # memory, 显存不足) are on all five OOM pages.
+    "runbooks/oom-reading-the-error.md": {"boost": 4},
 }
 LAB_PAGE_SEARCH = {"boost": 0.05}  # the whole source and a diff match nearly any query
+
+
+# The search index's field for what a section explains: the error index's messages that link
+# to it (both mkdocs configs give the field a boost above a title's). A pasted log line is
+# searched for the messages it contains, so the section the index names comes first, however
+# many other pages quote the same words.
+MESSAGES_FIELD = "messages"
+
+
+def explained_messages():
+    """{search index location ("runbooks/page.html#anchor"): [each message linked there, and its
+    token]}, from the error index."""
+    explained = {}
+    for entry in error_index.parse_index():
+        page, _, anchor = entry.page.partition("#")
+        html = posixpath.normpath(posixpath.join("runbooks", page.replace(".md", ".html")))
+        location = html + (f"#{anchor}" if anchor else "")
+        explained.setdefault(location, []).extend([entry.message, message_token(entry.message)])
+    return explained
+
+
+@event_priority(-100)  # after the search plugin has written its index
+def on_post_build(config):
+    """Give each section the error index links to the messages it explains, in MESSAGES_FIELD."""
+    path = Path(config.site_dir) / "search" / "search_index.json"
+    index = json.loads(path.read_text())
+    explained = explained_messages()
+    for doc in index["docs"]:
+        if doc["location"] in explained:
+            doc[MESSAGES_FIELD] = "\n".join(explained.pop(doc["location"]))
+    if explained:  # a link of the index to a section the search does not have
+        raise ValueError(f"error index links to sections missing from the search index of "
+                         f"{config.site_dir}: {sorted(explained)}")
+    path.write_text(json.dumps(index, ensure_ascii=False, separators=(",", ":")))
 
 
 def search_settings(src_uri):

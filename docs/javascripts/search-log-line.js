@@ -3,14 +3,16 @@
  * A line copied from a log carries a rank prefix, a timestamp, a pid, a path and a port. The
  * site's search (lunr, through mkdocs-material) appends a wildcard to every term, so "12*",
  * "3000*" or "in*" match words on every page and bury the runbook that quotes the message.
- * When the query looks like a log line, this rewrites it before the search runs:
- * 1. the longest message of the error index (runbooks/errors.md, loaded as
- *    window.courseErrorMessages) that the line contains goes in quotes, which the theme turns
- *    into "every word required", followed by the line's other stable words; the pages that
- *    own a common message get a search boost (SEARCH_SETTINGS in tools/site_hooks.py);
+ * When a whole line arrives at once (a paste) and it contains a message of the error index
+ * (runbooks/errors.md, loaded as window.courseErrorMessages) or looks like a log line, this
+ * rewrites it before the search runs:
+ * 1. the message that decides (the one the fewest pages quote) becomes required words, plus
+ *    the token that only the section the index links it to holds in the search index
+ *    (tools/site_hooks.py), boosted, so that section comes first; the line's other stable
+ *    words follow, to rank the other pages that quote the message;
  * 2. otherwise the query is the line's stable words alone.
- * Short queries typed by hand are left alone. Tested by tests/test_site.py
- * (test_pasted_log_lines_find_their_page).
+ * What is typed key by key is left alone. Tested in a real browser, in both editions, with
+ * the lines of tests/pasted_log_lines.py (tests/test_site.py).
  */
 (function () {
   "use strict";
@@ -43,46 +45,73 @@
     return text.trim().split(/\s+/).length >= 6 && /\d/.test(text);
   }
 
+  // Words as the site's search splits them (its separator, in mkdocs.yml: camelCase and
+  // dotted names become words), without the volatile parts, lunr's stop words and the words
+  // of one or two letters.
   function stableWords(text) {
     var out = text;
     VOLATILE.forEach(function (pattern) { out = out.replace(pattern, " "); });
-    return out.replace(/[()[\]{}<>=,;|"'`*+~^:]+/g, " ").split(/\s+/).map(function (word) {
-      return word.replace(/^[.!?-]+|[.!?-]+$/g, "");
+    out = out.replace(/[()[\]{}<>=,;|"'`*+~^:!]+/g, " ").replace(/\.(?!\d)/g, " ");
+    return out.split(/\s+/).reduce(function (words, word) {
+      return words.concat(word.split(/(?<=[a-z0-9])(?=[A-Z][a-z])/));
+    }, []).map(function (word) {
+      return word.replace(/^[?-]+|[?-]+$/g, "");
     }).filter(function (word) {
       return word.length > 2 && !COMMON.test(word);
     });
   }
 
-  // The index's messages found in the line, longest first, none inside another.
+  // The index's messages found in the line (entries of window.courseErrorMessages, longest
+  // first); none inside another: a found message is blanked out of the text.
   function knownMessages(text) {
     var found = [];
-    (window.courseErrorMessages || []).forEach(function (message) {
-      if (text.indexOf(message) !== -1) {
-        found.push(message);
-        text = text.replace(message, " ");
+    (window.courseErrorMessages || []).forEach(function (entry) {
+      var at = text.indexOf(entry.message);
+      if (at !== -1) {
+        found.push({entry: entry, at: at});
+        text = text.slice(0, at) + " ".repeat(entry.message.length) +
+               text.slice(at + entry.message.length);
       }
     });
-    return {messages: found, rest: text};
+    return {found: found, rest: text};
   }
 
-  // Only the longest message is required: a section that quotes it is an answer. (Requiring
-  // every message found fails when a page quotes them in different sections.) The other
-  // words, shorter messages included, only rank the sections that have it. Required words
-  // leave out lunr's stop words: lunr drops those, and a dropped required word matches nothing.
+  // The message that says most about which page explains the line: the one the fewest pages
+  // quote ("EnforceNotMet" over "terminate called after throwing", "ncclRemoteError" over
+  // "Connection reset by peer"), then the latest in the line (a line reads from the wrapper
+  // to the cause: "Gloo connectFullMesh failed with [...] Connect timeout"), then the longest.
+  function decidingFirst(a, b) {
+    return a.entry.pages - b.entry.pages || b.at - a.at ||
+           b.entry.message.length - a.entry.message.length;
+  }
+
+  // The deciding message's words are required (+word): a section that has them all is an
+  // answer. Its token, which only the section that explains it holds in the search index
+  // (tools/site_hooks.py), puts that section first (^100). The other words, the other
+  // messages included, only rank the rest. Required words leave out lunr's stop words: lunr
+  // drops those, and a dropped required word matches nothing.
   function rewrite(text) {
     var known = knownMessages(text);
-    if (!known.messages.length) return stableWords(text).join(" ");
-    var required = '"' + stableWords(known.messages[0]).join(" ") + '"';
-    var others = stableWords(known.messages.slice(1).join(" ") + " " + known.rest);
-    return [required].concat(others).join(" ");
+    if (!known.found.length) return looksLikeLogLine(text) ? stableWords(text).join(" ") : "";
+    // A message with no stable word (useIpv6: 0) cannot decide: it only ranks.
+    var ordered = known.found.sort(decidingFirst).map(function (f) { return f.entry; });
+    var deciding = ordered.filter(function (e) { return stableWords(e.message).length; })[0];
+    if (!deciding) return stableWords(text).join(" ");
+    var required = stableWords(deciding.message).map(function (word) { return "+" + word; });
+    var others = ordered.filter(function (e) { return e !== deciding; })
+      .map(function (entry) { return entry.message; });
+    return required.concat([deciding.token + "^100"],
+                           stableWords(others.join(" ") + " " + known.rest)).join(" ");
   }
 
-  // Capture phase on the document: runs before the theme reads the input's value.
+  // Capture phase on the document: runs before the theme reads the input's value. A paste, or
+  // a whole line inserted at once, brings more than one character in one event; a key brings
+  // one.
   document.addEventListener("input", function (event) {
     var input = event.target;
     if (!(input.matches && input.matches("input.md-search__input"))) return;
-    if (!looksLikeLogLine(input.value)) return;
-    var query = rewrite(input.value);
+    var atOnce = event.inputType === "insertFromPaste" || (event.data || "").length > 1;
+    var query = atOnce && rewrite(input.value);
     if (query) input.value = query;
   }, true);
 })();
