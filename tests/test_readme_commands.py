@@ -302,3 +302,16 @@ def test_the_i18n_commands(tmp_path):
         assert sources.read_bytes() == before  # the page was current: its stamp is unchanged
     finally:
         sources.write_bytes(before)
+
+
+def test_the_licence_is_apache_2_and_the_readme_says_what_it_covers():
+    """People copy the labs into their projects: the terms must be in the repository."""
+    licence = (REPO / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in licence
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in licence
+    assert "END OF TERMS AND CONDITIONS" in licence
+    readme = (REPO / "README.md").read_text()
+    section = " ".join(readme.split("## Licence\n", 1)[1].split("\n## ", 1)[0].split())
+    assert "Apache License 2.0 ([LICENSE](LICENSE))" in section
+    for covered in ("labs", "labs/labkit/", "lessons", "runbooks", "both languages"):
+        assert covered in section, covered
