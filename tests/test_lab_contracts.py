@@ -80,3 +80,16 @@ def test_docstring_commands_keep_their_line_continuations(lab_path):
     docstring = source[:source.index('"""', 3)]
     joined = [line for line in docstring.splitlines() if re.search(r"(?<!\\)\\$", line)]
     assert joined == []
+
+
+def test_the_cpu_memory_figure_is_in_bytes_on_linux_and_macos():
+    """ru_maxrss is in kilobytes on Linux and in bytes on macOS: the log's `mem` must be bytes
+    on both (the onboarding page promises macOS)."""
+    from labkit.loop import maxrss_unit_bytes, peak_memory_bytes
+
+    assert maxrss_unit_bytes("darwin") == 1 and maxrss_unit_bytes("linux") == 1024
+    peak = peak_memory_bytes(torch.device("cpu"))
+    if sys.platform.startswith("linux"):  # the kernel's own figure, in kB
+        status = Path("/proc/self/status").read_text()
+        high_water_kb = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1))
+        assert abs(peak - high_water_kb * 1024) <= 0.05 * peak, (peak, high_water_kb)

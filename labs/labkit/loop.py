@@ -43,11 +43,16 @@ def set_learning_rate(optimizers, cfg, step):
             group["lr"] = learning_rate(cfg, step)
 
 
+def maxrss_unit_bytes(platform=sys.platform):
+    """getrusage's ru_maxrss is in kilobytes on Linux and in bytes on macOS (getrusage(2))."""
+    return 1 if platform == "darwin" else 1024
+
+
 def peak_memory_bytes(device):
     """CUDA: peak bytes allocated by tensors. CPU: peak resident set size of the process."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * maxrss_unit_bytes()
 
 
 def log_line(step, loss, step_s, tokens_per_s, data_share, mem_bytes):
