@@ -89,6 +89,62 @@ def drill_env(**changes):
     return env
 
 
+def process_tree(pid):
+    """pid and every process below it, parents first, read from /proc (torchrun's workers
+    run in sessions of their own: the agent's process group does not reach them)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process exited meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, queue = [], [pid]
+    while queue:
+        tree.append(queue.pop(0))
+        queue += children.get(tree[-1], [])
+    return tree
+
+
+def stacks_of(pids, timeout=20):
+    """Every Python process's stack (py-spy dump), so that a hang says where it hung."""
+    dumps = []
+    for pid in pids:
+        try:
+            out = subprocess.run([installed_script("py-spy"), "dump", "--pid", str(pid)],
+                                 capture_output=True, text=True, timeout=timeout)
+            dumps.append(f"--- py-spy dump --pid {pid} ---\n{out.stdout}{out.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            dumps.append(f"--- py-spy dump --pid {pid}: {exc} ---")
+    return "\n".join(dumps)
+
+
+def stop_tree(proc):
+    """After a timeout: dump every process's stack, then kill them all, the workers that
+    outlive the agent included. Returns the dumps."""
+    tree = process_tree(proc.pid)
+    dumps = stacks_of(tree)
+    for pid in reversed(tree):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return dumps
+
+
+def communicate_or_stop(cmd, timeout, stdout, stderr, **kwargs):
+    """subprocess.run, except that a timeout stops the whole process tree (stop_tree) and
+    returns (None, stdout, stderr, dumps) instead of raising."""
+    with subprocess.Popen(cmd, stdout=stdout, stderr=stderr, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            return proc.returncode, out, err, ""
+        except subprocess.TimeoutExpired:
+            dumps = stop_tree(proc)
+            out, err = proc.communicate()
+            return None, out, err, dumps
+
+
 def run_drill(cmd, env=None, timeout=150):
     """One drill launch that is expected to fail: never raises, returns rc, output and wall
     time. An overrun becomes rc None (its tests fail, the others still run). Output goes to a
@@ -96,13 +152,10 @@ def run_drill(cmd, env=None, timeout=150):
     not keep the launch "running" after torchrun has exited."""
     t0 = time.monotonic()
     with tempfile.TemporaryFile("w+", errors="replace") as log:
-        try:
-            rc = subprocess.run(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout, env=env or drill_env(), cwd=REPO).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+        rc, _, _, dumps = communicate_or_stop(list(map(str, cmd)), timeout, log,
+                                              subprocess.STDOUT, env=env or drill_env(), cwd=REPO)
         log.seek(0)
-        out = log.read() + (f"\nTIMED OUT after {timeout} s" if rc is None else "")
+        out = log.read() + (f"\nTIMED OUT after {timeout} s\n{dumps}" if rc is None else "")
     return {"rc": rc, "out": out, "wall_s": time.monotonic() - t0,
             "cmd": " ".join(map(str, cmd))}
 
@@ -117,15 +170,14 @@ def torchrun_cmd(script, nproc, args=(), rdzv="standalone", extra_torchrun=()):
 
 
 def run(cmd, timeout=180, env=None, check=True, cwd=None):
-    """Run a command; on failure or timeout raise with everything it printed."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=quiet_env(env), cwd=cwd or REPO)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        raise LaunchError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
-                          f"--- stdout ---\n{out}\n--- stderr ---\n{err}") from None
+    """Run a command; on failure raise with everything it printed. On a timeout, stop its
+    whole process tree and raise with what it printed and every process's stack."""
+    rc, out, err, dumps = communicate_or_stop(cmd, timeout, subprocess.PIPE, subprocess.PIPE,
+                                              text=True, env=quiet_env(env), cwd=cwd or REPO)
+    if rc is None:
+        raise LaunchError(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
+                          f"--- stdout ---\n{out}\n--- stderr ---\n{err}\n{dumps}")
+    proc = subprocess.CompletedProcess(cmd, rc, out, err)
     if check and proc.returncode != 0:
         raise launch_failed(proc)
     return proc
@@ -185,10 +237,11 @@ class Zygote:
             try:
                 rc = json.loads(replies.readline())["rc"]
             except TimeoutError:  # socket.timeout is TimeoutError since Python 3.10
+                dumps = stacks_of(process_tree(launcher))
                 os.killpg(launcher, signal.SIGKILL)
                 raise LaunchError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
                                   f"--- stdout ---\n{read_and_remove(out)}\n"
-                                  f"--- stderr ---\n{read_and_remove(err)}") from None
+                                  f"--- stderr ---\n{read_and_remove(err)}\n{dumps}") from None
         return subprocess.CompletedProcess(cmd, rc, read_and_remove(out), read_and_remove(err))
 
 

@@ -8,8 +8,11 @@ cannot hide it:
   - the function that calls destroy_process_group() calls no wrapper itself, and
   - it calls gc.collect() before it (the wrappers sit in reference cycles).
 A source check cannot see a model returned into that function by a helper; the labs keep the
-model inside run(), which returns only results, and the lab tests run every exit path. A lab on
-the kit destroys the group in labs/labkit/runtime.py's teardown_distributed(), checked here too.
+model inside run(), which returns only results. Most lab tests fork their ranks (tests/zygote.py),
+which leave through os._exit and skip the interpreter's shutdown, where these hangs happen; every
+lab also runs once per suite under real torchrun with a real interpreter exit (`make course`,
+tests/test_readme_commands.py, which fails on an abort message or a non-zero exit). A lab on the
+kit destroys the group in labs/labkit/runtime.py's teardown_distributed(), checked here too.
 hang_exit.py is left out by name: its ddp-outlives-group case keeps the bug on purpose, and
 test_runbook_hangs runs it both ways (the broken case aborts, the fixed one exits 0).
 """

@@ -13,6 +13,12 @@ report, restarts, the agent's store, signals to the agent) and every drill. test
 sends a launch here only when it expects success and passes no environment of its own; the
 contract tests (test_lab_contracts.py) and the drills start real torchrun.
 
+How a forked rank ends is not how a real one does: it runs the atexit handlers, then leaves
+through os._exit, skipping the interpreter's shutdown (module teardown, the last garbage
+collection), which is where the exit hangs of runbooks/exit-hang.md happen. So every lab also
+runs once per suite under real torchrun, with a real interpreter exit: `make course`, in
+tests/test_readme_commands.py, whose output may hold no line but the runner's.
+
 Protocol (one Unix-socket connection per launch): the client sends one JSON line
 {script, nproc, args, env, cwd, stdout, stderr}, where nproc 0 means one plain
 `python script ARGS` (no torchrun variables); the server answers {"pid": launcher pid}
