@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import LABS, PYTHON, REPO, quiet_env
+from launcher import LABS, PYTHON, REPO, quiet_env, run_lab
 
 README = REPO / "README.md"
 
@@ -319,3 +319,54 @@ def test_the_licence_is_apache_2_and_the_readme_says_what_it_covers():
     assert "Apache License 2.0 ([LICENSE](LICENSE))" in section
     for covered in ("labs", "labs/labkit/", "lessons", "runbooks", "both languages"):
         assert covered in section, covered
+
+
+STREAM_FIELDS = {"step", "loss", "step_s", "tokens_per_s", "data_share", "mem_bytes", "time"}
+
+
+def readme_python_blocks():
+    return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+
+
+@pytest.fixture(scope="module")
+def metrics_stream(tmp_path_factory):
+    """lab01 at 2 ranks, logging every 5 of 20 steps into --metrics-stream: stopped after
+    step 10 as if interrupted, then resumed to the end (the stream continues)."""
+    folder = tmp_path_factory.mktemp("stream")
+    common = ["--steps", 20, "--log-every", 5, "--metrics-stream", folder / "run.jsonl",
+              "--checkpoint-dir", folder / "ckpt"]
+    run_lab("lab01_ddp", 2, [*common, "--stop-at-step", 10], folder)
+    _, metrics = run_lab("lab01_ddp", 2, common, folder)
+    return folder, metrics
+
+
+def test_the_metrics_stream_has_a_line_per_logged_step(metrics_stream):
+    folder, metrics = metrics_stream
+    rows = [json.loads(line) for line in (folder / "run.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [5, 10, 15, 20]  # the resumed run appended
+    assert all(set(row) == STREAM_FIELDS for row in rows), rows[0]
+    losses = dict(map(tuple, metrics["losses"]))  # the resumed run's, steps 11..20
+    assert [row["loss"] for row in rows[2:]] == [losses[15], losses[20]]
+    assert all(row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["mem_bytes"] > 2**20
+               for row in rows)
+    assert [row["time"] for row in rows] == sorted(row["time"] for row in rows)
+
+
+def test_the_readme_loads_the_metrics_stream_in_a_notebook(metrics_stream, monkeypatch, capsys):
+    folder, _ = metrics_stream
+    notebook = next(block for block in readme_python_blocks() if "steps = [" in block)
+    monkeypatch.chdir(folder)
+    exec(compile(notebook, "README.md", "exec"), {})
+    step, loss, tokens_per_s = capsys.readouterr().out.split()
+    assert int(step) == 20 and float(loss) > 0 and float(tokens_per_s) > 0
+
+
+def test_the_readme_loads_the_metrics_stream_into_tensorboard(metrics_stream, monkeypatch):
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed here "
+                        "(the course does not need it); the README's TensorBoard lines run "
+                        "wherever it is")
+    folder, _ = metrics_stream
+    block = next(block for block in readme_python_blocks() if "SummaryWriter" in block)
+    monkeypatch.chdir(folder)
+    exec(compile(block, "README.md", "exec"), {})
+    assert list((folder / "runs" / "lab01").glob("events.out.tfevents.*"))

@@ -105,6 +105,9 @@ def add_common_args(parser):
     arg("--stop-at-step", type=int, default=0,
         help="checkpoint and stop after this step, as if interrupted (0: run to --steps)")
     arg("--metrics-out", default="", help="write the final metrics JSON here (rank 0)")
+    arg("--metrics-stream", default="",
+        help="append one JSON line per logged step here (rank 0): step, loss, step_s, "
+             "tokens_per_s, data_share, mem_bytes, time")
     arg("--plan", action="store_true",
         help="print the layout, precision and memory per rank for --nproc ranks of --gpu, "
              "then exit; starts no process group and needs no GPU")
@@ -165,8 +168,12 @@ def validate_common(cfg, world_size, dp_size):
         return  # the rest is about this machine, which a plan does not need
     if cfg.checkpoint_dir:
         refuse_unwritable_directory("--checkpoint-dir", Path(cfg.checkpoint_dir))
-    if cfg.metrics_out:
-        refuse_unwritable_directory("--metrics-out", Path(cfg.metrics_out).parent)
+    for flag, path in [("--metrics-out", cfg.metrics_out),
+                       ("--metrics-stream", cfg.metrics_stream)]:
+        if path and Path(path).is_dir():
+            fail_config(flag, f"{path} is a directory; give a file path")
+        if path:
+            refuse_unwritable_directory(flag, Path(path).parent)
     if cfg.device == "cuda" and torch.cuda.device_count() < local_world_size():
         fail_config("--device", f"cuda needs one GPU per local rank: {local_world_size()} ranks, "
                     f"{torch.cuda.device_count()} GPUs visible; use --device cpu")

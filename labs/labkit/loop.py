@@ -4,6 +4,7 @@ only), preemption by SIGTERM, and checkpoints at the steps --checkpoint-every na
 passes in what is its own: how it skips gradient sync, its step and its save."""
 
 import contextlib
+import json
 import resource
 import signal
 import sys
@@ -55,9 +56,17 @@ def peak_memory_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * maxrss_unit_bytes()
 
 
-def log_line(step, loss, step_s, tokens_per_s, data_share, mem_bytes):
+def log_line(step, loss, step_s, tokens_per_s, data_share, mem_bytes, **_):
     return (f"step {step:4d} | loss {loss:.4f} | {step_s * 1e3:.1f} ms | "
             f"{tokens_per_s:.0f} tok/s | data {data_share:.0%} | mem {mem_bytes / 2**30:.2f} GiB")
+
+
+def append_metrics_line(path, fields):
+    """--metrics-stream: one JSON object per logged step, appended and flushed at once, so that
+    a dashboard can follow the file while the run goes on, and a resumed run continues it.
+    Read it with pandas.read_json(path, lines=True), or json.loads on each line."""
+    with open(path, "a") as stream:
+        stream.write(json.dumps(fields) + "\n")
 
 
 class PreemptionWatch:
@@ -177,12 +186,15 @@ class StepLog:
         device work is pending."""
         self.window_start = time.perf_counter()
 
-    def log(self, tokens_per_step):
+    def fields(self, tokens_per_step):
+        """The last window, as the log line and --metrics-stream report it: step time and
+        throughput are the window's means, the loss is its last step's, time is Unix time."""
         window = self.windows[-1]
         step_s = window["seconds"] / window["steps"]
-        return log_line(window["last_step"], self.losses[-1][1], step_s,
-                        tokens_per_step / step_s, window["data_s"] / window["seconds"],
-                        peak_memory_bytes(self.device))
+        return {"step": window["last_step"], "loss": self.losses[-1][1], "step_s": step_s,
+                "tokens_per_s": tokens_per_step / step_s,
+                "data_share": window["data_s"] / window["seconds"],
+                "mem_bytes": peak_memory_bytes(self.device), "time": time.time()}
 
     def steady_tokens_per_s(self, tokens_per_step):
         """Throughput after the first step (compile, allocator warm-up, lazy init)."""
@@ -221,7 +233,10 @@ def train_loop(cfg, rank, device, start_step, optimizers, step_fn, save_fn, loss
             loss, data_s = step_fn(step)
         preempted = log.add(step, loss, data_s, preemption)
         if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
-            print(log.log(tokens_per_step), flush=True)
+            fields = log.fields(tokens_per_step)
+            print(log_line(**fields), flush=True)
+            if cfg.metrics_stream:
+                append_metrics_line(cfg.metrics_stream, fields)
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                                    or step == last_step or preempted):
             save_fn(step)
