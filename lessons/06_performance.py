@@ -256,6 +256,43 @@ plt.show()
 #   NICs are.
 
 # %% [markdown]
+# ## The same trace, in Perfetto
+#
+# The plots above are redrawn from the profiler's events. To read a trace yourself, every lab
+# writes the profiler's own with `--profile-dir DIR`: steps 3 and 4 (after warm-up), one file
+# per rank, `DIR/rank<N>.json`, in the Chrome trace format. Open it at
+# [ui.perfetto.dev](https://ui.perfetto.dev) ("Open trace file"; the file stays on your
+# machine) or in `chrome://tracing` ("Load"). The cell below writes one for lab02 at 2 ranks
+# and counts what is in it. What to look for:
+#
+# - **The steps.** `ProfilerStep#2` and `ProfilerStep#3` (numbered from 0) bracket steps 3
+#   and 4 on the training thread.
+# - **The all-gathers.** `FSDP::all_gather (layers.N)` on the training thread marks where FSDP
+#   asks for a block's weights; the `gloo:all_gather` slices on gloo's own thread are the
+#   transfers. A GPU run's trace also has the CUDA streams: NCCL's kernels on one stream, the
+#   matmuls on another.
+# - **Overlap, and gaps.** Where the training thread runs no `aten::` op while a transfer is
+#   on, it is waiting: exposed communication. Where both rows are busy at once, the transfer
+#   is hidden.
+
+# %%
+from collections import Counter  # noqa: E402
+
+trace_path = workdir / "trace" / "rank0.json"
+run_lab("lab02_fsdp.py", 2, "--steps", "6", "--profile-dir", str(trace_path.parent))
+events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
+by_name = Counter(e["name"] for e in events)
+print(f"{trace_path}: {len(events):,} events, {trace_path.stat().st_size / 1e6:.1f} MB")
+for name in ("ProfilerStep#2", "ProfilerStep#3", "FSDP::all_gather (layers.0)",
+             "gloo:all_gather", "c10d::_reduce_scatter_base_", "aten::mm"):
+    print(f"{by_name[name]:5d}  {name}")
+# Two steps of lab02 (two blocks and the root, one FSDP unit each): per step, 3 all-gathers in
+# forward, 2 in backward (the root stays gathered), and a reduce-scatter per unit.
+assert by_name["ProfilerStep#2"] == by_name["ProfilerStep#3"] == 1
+assert by_name["gloo:all_gather"] == 2 * (3 + 2)
+assert by_name["c10d::_reduce_scatter_base_"] == 2 * 3 and by_name["aten::mm"] > 0
+
+# %% [markdown]
 # ## torch.compile with FSDP2, end to end
 #
 # lab02's `--compile` compiles each block with inductor before sharding (torchtitan's

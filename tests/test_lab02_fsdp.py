@@ -287,3 +287,25 @@ def test_nccl_parity_and_bf16_on_gpus(tmp_path):
     _, metrics = run_lab(LAB, 2, ["--steps", STEPS, "--mixed-precision", "bf16"], tmp_path)
     assert metrics["peak_mem_kind"] == "cuda_max_allocated"
     assert metrics["unsharded_param_bytes_after_forward"][0] > 0
+
+
+def test_profile_dir_writes_a_trace_per_rank_with_the_collectives_and_the_matmuls(tmp_path):
+    """--profile-dir: steps 3 and 4 of each rank, in the Chrome trace format that Perfetto and
+    chrome://tracing open. FSDP2's collectives are all in it: per step, an all-gather per unit
+    in forward (two blocks and the root) and per block again in backward (the root stays
+    gathered), and a reduce-scatter per unit. gloo runs them on its own threads, apart from
+    the training thread's matmuls."""
+    from collections import Counter
+
+    run_lab(LAB, 2, ["--steps", 6, "--profile-dir", tmp_path / "trace"], tmp_path)
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "trace" / f"rank{rank}.json").read_text())
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        names = Counter(e["name"] for e in events)
+        assert names["ProfilerStep#2"] == names["ProfilerStep#3"] == 1, names  # steps 3, 4
+        assert names["gloo:all_gather"] == 2 * (3 + 2)
+        assert names["c10d::_reduce_scatter_base_"] == 2 * 3
+        assert names["aten::mm"] > 0
+        threads = {kind: {e["tid"] for e in events if e["name"].startswith(kind)}
+                   for kind in ("gloo:", "aten::mm")}
+        assert threads["gloo:"] and threads["gloo:"].isdisjoint(threads["aten::mm"])

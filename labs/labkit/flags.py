@@ -14,6 +14,7 @@ from labkit.checkpoint import checkpointed_batch_size, latest_checkpoint
 from labkit.data import dataset_length, validate_data_file
 from labkit.errors import OneLineErrorParser, fail_config, refuse_negative
 from labkit.faults import add_drill_args, validate_drill_args
+from labkit.loop import PROFILED_STEPS
 from labkit.model import MODEL_PRESETS
 from labkit.parity import add_parity_args, validate_parity_args
 from labkit.plan import GPU_SPECS
@@ -105,6 +106,9 @@ def add_common_args(parser):
     arg("--stop-at-step", type=int, default=0,
         help="checkpoint and stop after this step, as if interrupted (0: run to --steps)")
     arg("--metrics-out", default="", help="write the final metrics JSON here (rank 0)")
+    arg("--profile-dir", default="",
+        help="write a torch.profiler trace of steps 3-4 here, rank<N>.json per rank, for "
+             "Perfetto or chrome://tracing (the run needs 4 steps or more)")
     arg("--metrics-stream", default="",
         help="append one JSON line per logged step here (rank 0): step, loss, step_s, "
              "tokens_per_s, data_share, mem_bytes, time")
@@ -168,6 +172,11 @@ def validate_common(cfg, world_size, dp_size):
         return  # the rest is about this machine, which a plan does not need
     if cfg.checkpoint_dir:
         refuse_unwritable_directory("--checkpoint-dir", Path(cfg.checkpoint_dir))
+    if cfg.profile_dir and (cfg.stop_at_step or cfg.steps) < PROFILED_STEPS:
+        fail_config("--profile-dir", f"needs a run of {PROFILED_STEPS} steps or more (it "
+                    f"records steps 3-4, after warm-up); this one has {cfg.stop_at_step or cfg.steps}")
+    if cfg.profile_dir:
+        refuse_unwritable_directory("--profile-dir", Path(cfg.profile_dir))
     for flag, path in [("--metrics-out", cfg.metrics_out),
                        ("--metrics-stream", cfg.metrics_stream)]:
         if path and Path(path).is_dir():

@@ -5,10 +5,12 @@ passes in what is its own: how it skips gradient sync, its step and its save."""
 
 import contextlib
 import json
+import os
 import resource
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,37 @@ def append_metrics_line(path, fields):
     Read it with pandas.read_json(path, lines=True), or json.loads on each line."""
     with open(path, "a") as stream:
         stream.write(json.dumps(fields) + "\n")
+
+
+# --profile-dir: which steps torch.profiler records. The first step does lazy init and warm-up,
+# the second warms the profiler up; steps 3 and 4 are recorded.
+PROFILE_SCHEDULE = {"wait": 1, "warmup": 1, "active": 2}
+PROFILED_STEPS = sum(PROFILE_SCHEDULE.values())  # a run must have this many steps to profile
+
+
+@contextlib.contextmanager
+def step_profiler(cfg, rank, device):
+    """--profile-dir: torch.profiler over PROFILE_SCHEDULE's steps, then one trace per rank,
+    DIR/rank<N>.json, in the Chrome trace format that Perfetto (ui.perfetto.dev) and
+    chrome://tracing open. Yields the function to call after each step (a no-op without the
+    flag). The trace is written whole or not at all (a temporary file, then a rename)."""
+    if not cfg.profile_dir:
+        yield lambda: None
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    path = Path(cfg.profile_dir) / f"rank{rank}.json"
+
+    def write_trace(profiler):
+        partial = path.with_name(path.name + ".tmp")
+        profiler.export_chrome_trace(str(partial))
+        os.replace(partial, path)
+
+    schedule = torch.profiler.schedule(**PROFILE_SCHEDULE, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule,
+                                on_trace_ready=write_trace) as profiler:
+        yield profiler.step
 
 
 class PreemptionWatch:
@@ -224,28 +257,31 @@ def train_loop(cfg, rank, device, start_step, optimizers, step_fn, save_fn, loss
     log = StepLog(cfg, device, start_step, last_step, loss_divisor)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     preemption = PreemptionWatch()
-    for step in range(start_step + 1, last_step + 1):
-        maybe_inject_failure(cfg, step, rank)  # the fault drills; no-ops unless asked for
-        maybe_stall(cfg, step, rank, preemption)
-        set_learning_rate(optimizers, cfg, step)
-        measured = first_step_probe if first_step_probe and step == start_step + 1 else None
-        with measured or contextlib.nullcontext():
-            loss, data_s = step_fn(step)
-        preempted = log.add(step, loss, data_s, preemption)
-        if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
-            fields = log.fields(tokens_per_step)
-            print(log_line(**fields), flush=True)
-            if cfg.metrics_stream:
-                append_metrics_line(cfg.metrics_stream, fields)
-        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-                                   or step == last_step or preempted):
-            save_fn(step)
-            log.restart_window()
-        if preempted:
-            if rank == 0:
-                print(f"preempted: checkpoint at step {step} written, exiting "
-                      f"{PREEMPTED_EXIT_CODE}", flush=True)
-            # No teardown here: the lab's models are still alive in its frames. The exit
-            # unwinds to main()'s finally, whose teardown_distributed() frees them first.
-            sys.exit(PREEMPTED_EXIT_CODE)
+    with step_profiler(cfg, rank, device) as step_done:  # --profile-dir; else a no-op
+        for step in range(start_step + 1, last_step + 1):
+            maybe_inject_failure(cfg, step, rank)  # the fault drills; no-ops unless asked for
+            maybe_stall(cfg, step, rank, preemption)
+            set_learning_rate(optimizers, cfg, step)
+            measured = first_step_probe if first_step_probe and step == start_step + 1 else None
+            with measured or contextlib.nullcontext():
+                loss, data_s = step_fn(step)
+            step_done()
+            preempted = log.add(step, loss, data_s, preemption)
+            if rank == 0 and (step % cfg.log_every == 0 or step == last_step):  # sync points
+                fields = log.fields(tokens_per_step)
+                print(log_line(**fields), flush=True)
+                if cfg.metrics_stream:
+                    append_metrics_line(cfg.metrics_stream, fields)
+            every = cfg.checkpoint_every
+            if cfg.checkpoint_dir and ((every and step % every == 0) or step == last_step
+                                       or preempted):
+                save_fn(step)
+                log.restart_window()
+            if preempted:
+                if rank == 0:
+                    print(f"preempted: checkpoint at step {step} written, exiting "
+                          f"{PREEMPTED_EXIT_CODE}", flush=True)
+                # No teardown here: the lab's models are still alive in its frames. The exit
+                # unwinds to main()'s finally, whose teardown_distributed() frees them first.
+                sys.exit(PREEMPTED_EXIT_CODE)
     return log

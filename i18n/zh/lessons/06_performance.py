@@ -214,6 +214,32 @@ plt.show()
 #   一步是否因此变短，是另一个问题：每个 rank 只有一个核，由 gloo 的线程和矩阵乘法共用，所以重叠只能省下 gloo 等待对端的时间，省不下它拷贝和归约数据的时间。在这台 VM 上多次运行，异步 FSDP2 被 profile 的那一步，有时并不比阻塞版本快（599 对 602 ms），有时快了近一倍（1,116 对 2,045 ms，那次运行中等待占了主导）；上面打印的是本次运行的数字。只有当通信有自己的引擎时（比如 GPU 的拷贝引擎和网卡），重叠才能稳定地带来收益。
 
 # %% [markdown]
+# ## 同一份 trace，在 Perfetto 里看
+#
+# 上面的图是用 profiler 的事件重新画出来的。想自己读 trace，每个 lab 都能用 `--profile-dir DIR` 写出 profiler 原生的 trace：第 3、4 步（预热之后），每个 rank 一个文件，`DIR/rank<N>.json`，Chrome trace 格式。在 [ui.perfetto.dev](https://ui.perfetto.dev) 打开它（“Open trace file”；文件不会离开你的机器），或者在 `chrome://tracing` 里打开（“Load”）。下面的单元格为 2 个 rank 的 lab02 写出一份，并数一数里面有什么。要看的是：
+#
+# - **每一步。** 训练线程上的 `ProfilerStep#2` 和 `ProfilerStep#3`（从 0 开始编号）框出第 3 步和第 4 步。
+# - **all-gather。** 训练线程上的 `FSDP::all_gather (layers.N)` 标出 FSDP 请求某个 block 权重的时刻；gloo 自己线程上的 `gloo:all_gather` 片段才是实际的传输。GPU 上运行得到的 trace 还有 CUDA stream：NCCL 的 kernel 在一个 stream 上，矩阵乘法在另一个上。
+# - **重叠与空隙。** 传输进行时训练线程上没有任何 `aten::` 操作，说明它在等待：这就是暴露在外的通信。两行同时忙碌的地方，传输被隐藏了。
+
+# %%
+from collections import Counter  # noqa: E402
+
+trace_path = workdir / "trace" / "rank0.json"
+run_lab("lab02_fsdp.py", 2, "--steps", "6", "--profile-dir", str(trace_path.parent))
+events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
+by_name = Counter(e["name"] for e in events)
+print(f"{trace_path}: {len(events):,} events, {trace_path.stat().st_size / 1e6:.1f} MB")
+for name in ("ProfilerStep#2", "ProfilerStep#3", "FSDP::all_gather (layers.0)",
+             "gloo:all_gather", "c10d::_reduce_scatter_base_", "aten::mm"):
+    print(f"{by_name[name]:5d}  {name}")
+# Two steps of lab02 (two blocks and the root, one FSDP unit each): per step, 3 all-gathers in
+# forward, 2 in backward (the root stays gathered), and a reduce-scatter per unit.
+assert by_name["ProfilerStep#2"] == by_name["ProfilerStep#3"] == 1
+assert by_name["gloo:all_gather"] == 2 * (3 + 2)
+assert by_name["c10d::_reduce_scatter_base_"] == 2 * 3 and by_name["aten::mm"] > 0
+
+# %% [markdown]
 # ## torch.compile 配合 FSDP2，端到端
 #
 # lab02 的 `--compile` 在分片之前用 inductor 编译每个 block（即 torchtitan 的逐 block 编译）。在宽度 1024、计算占主导的条件下，用两个 rank 对比 eager 模式和编译后的版本；编译本身发生在第一步，单独报告。
