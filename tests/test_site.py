@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zipfile
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -313,6 +314,75 @@ def test_the_chinese_site_works_from_file_urls(browser, site):
     assert "done | lab01_ddp | gloo x2" in page.inner_text("body")
     assert "Why" in page.inner_text("h2")  # the English lesson
     assert [e for e in errors if not FILE_URL_SEARCH_ERROR.match(e)] == []
+
+
+LESSON_STEMS = sorted(p.stem for p in (REPO / "lessons").glob("[0-9][0-9]_*.py"))
+
+
+def imported_modules(notebook):
+    """The top-level module names a notebook's code cells import."""
+    import ast
+
+    names = set()
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        for node in ast.walk(ast.parse("".join(cell["source"]))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("edition", ["en", "zh"])
+def test_every_lesson_page_offers_a_zip_that_holds_what_it_imports(site, edition):
+    """The zip holds the edition's executed notebook, and every course module it imports
+    (from lessons/ or labs/) where the lesson looks for it."""
+    root = site if edition == "en" else site / "zh"
+    for stem in LESSON_STEMS:
+        page = (root / "lessons" / f"{stem}.html").read_text()
+        assert f'href="../downloads/{stem}.zip"' in page, stem
+        with zipfile.ZipFile(root / "downloads" / f"{stem}.zip") as archive:
+            names = set(archive.namelist())
+            notebook = json.loads(archive.read(f"{stem}/lessons/{stem}.ipynb"))
+        course_modules = {name: folder for name in imported_modules(notebook)
+                          for folder in ("lessons", "labs")
+                          if (REPO / folder / f"{name}.py").exists()
+                          or (REPO / folder / name / "__init__.py").exists()}
+        assert course_modules, stem  # every lesson imports some: the check is not empty
+        assert f"{stem}/labs/labkit/__init__.py" in names  # what the labs import
+        for name, folder in course_modules.items():
+            assert ({f"{stem}/{folder}/{name}.py", f"{stem}/{folder}/{name}/__init__.py"}
+                    & names), (stem, name)
+        prose = "".join("".join(c["source"]) for c in notebook["cells"]
+                        if c["cell_type"] == "markdown")
+        assert bool(re.search(r"[\u4e00-\u9fff]", prose)) == (edition == "zh"), stem
+
+
+def test_a_downloaded_lesson_runs_from_an_empty_folder(site, tmp_path, monkeypatch):
+    """The README's way to take a lesson away: the zip, unpacked outside the checkout, runs
+    top to bottom with nothing from it (no COURSE_ROOT: the lesson finds labs/ beside it).
+    The quickest lesson runs here; the test above checks every zip's contents."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    stem = "08_expert_parallel"
+    with zipfile.ZipFile(site / "downloads" / f"{stem}.zip") as archive:
+        archive.extractall(tmp_path)
+    monkeypatch.delenv("COURSE_ROOT", raising=False)
+    lessons = tmp_path / stem / "lessons"
+    notebook = nbformat.read(lessons / f"{stem}.ipynb", as_version=4)
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []  # so that what is checked below is this run's
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(lessons)}}).execute()
+    errors = [out for cell in notebook.cells if cell.cell_type == "code"
+              for out in cell.outputs if out.output_type == "error"]
+    assert errors == []
+    ran = [cell for cell in notebook.cells if cell.cell_type == "code" and cell.outputs]
+    assert len(ran) >= 3  # it did run, and printed
 
 
 def test_lesson_page_shows_executed_outputs(site):

@@ -151,20 +151,38 @@ def kit_modules():
     return sorted(p for p in KIT.glob("*.py") if p.name != "__init__.py")
 
 
-def lab_with_kit_zip(lab):
-    """The bytes of {stem}.zip: the lab and labkit/, as a project copies them."""
+def zip_of(folder, files):
+    """The bytes of a zip of files ([(path on disk, name under folder/)]), reproducible: a
+    fixed date, so that the same sources give the same zip, build after build."""
     import io
     import zipfile
 
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        for path, name in [(lab, lab.name), *((m, f"labkit/{m.name}") for m in
-                                              sorted(KIT.glob("*.py")))]:
-            # A fixed date: the same sources give the same zip, build after build.
-            entry = zipfile.ZipInfo(f"{lab.stem}/{name}", date_time=(2020, 1, 1, 0, 0, 0))
+        for path, name in files:
+            entry = zipfile.ZipInfo(f"{folder}/{name}", date_time=(2020, 1, 1, 0, 0, 0))
             entry.external_attr = 0o644 << 16
             archive.writestr(entry, path.read_bytes(), zipfile.ZIP_DEFLATED)
     return buffer.getvalue()
+
+
+def lab_with_kit_zip(lab):
+    """The bytes of {stem}.zip: the lab and labkit/, as a project copies them."""
+    return zip_of(lab.stem, [(lab, lab.name),
+                             *((m, f"labkit/{m.name}") for m in sorted(KIT.glob("*.py")))])
+
+
+def lesson_zip(notebook, lesson):
+    """The bytes of {lesson}.zip, the lesson as a reader takes it away: the executed notebook
+    in lessons/, beside the worker modules lessons start processes from, and labs/ (the labs,
+    their kit and tools) one folder up, where a lesson looks for them. It runs with torch,
+    matplotlib and JupyterLab installed, from anywhere."""
+    workers = sorted(p for p in (ROOT / "lessons").glob("*.py")
+                     if not re.match(r"\d\d_", p.name))
+    labs = sorted(p for p in (ROOT / "labs").rglob("*.py") if "__pycache__" not in p.parts)
+    return zip_of(lesson.stem, [(notebook, f"lessons/{lesson.stem}.ipynb"),
+                                *((p, f"lessons/{p.name}") for p in workers),
+                                *((p, str(p.relative_to(ROOT))) for p in labs)])
 
 
 def kit_imports(lab):
@@ -344,12 +362,14 @@ def on_files(files, config):
     for lesson in lesson_tools.lesson_paths():
         lesson_tools.ensure_executed(lesson)
         if lang == "en":
-            files.append(File(f"lessons/{lesson.stem}.ipynb", str(lesson_tools.EXECUTED_ROOT),
-                              config.site_dir, config.use_directory_urls))
+            root = lesson_tools.EXECUTED_ROOT
         else:  # the English outputs, the Chinese prose: nothing is executed twice
             site_i18n.zh_notebook(lesson, lesson_tools.executed_path(lesson))
-            files.append(File(f"lessons/{lesson.stem}.ipynb", str(site_i18n.EXECUTED_ZH_ROOT),
-                              config.site_dir, config.use_directory_urls))
+            root = site_i18n.EXECUTED_ZH_ROOT
+        files.append(File(f"lessons/{lesson.stem}.ipynb", str(root), config.site_dir,
+                          config.use_directory_urls))
+        add_generated(files, config, f"downloads/{lesson.stem}.zip",
+                      lesson_zip(Path(root) / "lessons" / f"{lesson.stem}.ipynb", lesson))
     previous = None
     for lab in lesson_tools.lab_paths():
         add_generated(files, config, f"labs/{lab.stem}.md", lab_page(lab, previous, lang))
@@ -511,6 +531,23 @@ def search_settings(src_uri):
     return SEARCH_SETTINGS.get(src_uri)
 
 
+LESSON_DOWNLOAD_WORDS = {
+    "en": ("Take this lesson away: {zip}, the notebook with the worker modules and labs it "
+           "runs. Unzip it anywhere and open <code>lessons/{stem}.ipynb</code> in JupyterLab, "
+           "with torch, matplotlib and JupyterLab installed."),
+    "zh": ("带走这一课：{zip}，包含 notebook 以及它运行的 worker 模块和实验。解压到任意位置，在装好 "
+           "torch、matplotlib 和 JupyterLab 的环境中，用 JupyterLab 打开 "
+           "<code>lessons/{stem}.ipynb</code>。"),
+}
+
+
+def lesson_download(stem, lang):
+    """The lesson page's download line (the zip is lesson_zip's)."""
+    link = f'<a href="../downloads/{stem}.zip" download><code>{stem}.zip</code></a>'
+    words = LESSON_DOWNLOAD_WORDS[lang].format(zip=link, stem=stem)
+    return f'<p class="lesson-download">{words}</p>'
+
+
 def on_page_content(html, page, config, files):
     settings = search_settings(page.file.src_uri)
     if settings:
@@ -523,7 +560,8 @@ def on_page_content(html, page, config, files):
                 html, page.toc, site_i18n.notebook_heading_ids(english), page.file.src_uri)
         facts = lesson_stamp_facts(page.file.abs_src_path)
         stamp = verified.lesson_stamp(facts) if facts else "No record of the run that executed it."
-        stamp_html = f'<p class="verified-stamp"><em>{stamp}</em></p>'
+        stamp_html = (f'<p class="verified-stamp"><em>{stamp}</em></p>'
+                      + lesson_download(Path(page.file.src_uri).stem, site_i18n.language(config)))
         if "</h1>" in html:  # right under the lesson's title
             return html.replace("</h1>", "</h1>" + stamp_html, 1)
         return stamp_html + html
