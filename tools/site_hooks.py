@@ -333,7 +333,7 @@ def error_messages_script():
     token (the "messages" field of the section that explains it holds the token) and the
     pages quoting it: a pasted log line is searched for the known message it contains
     (docs/javascripts/search-log-line.js)."""
-    messages = sorted({e.message for e in error_index.parse_index()}, key=len, reverse=True)
+    messages = sorted({e.message for e in error_index.parse_index()}, key=lambda m: (-len(m), m))
     quoted = pages_quoting(messages)
     entries = [{"message": m, "token": message_token(m), "pages": quoted[m]} for m in messages]
     return f"window.courseErrorMessages = {json.dumps(entries, indent=0)};\n"
