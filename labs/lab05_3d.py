@@ -294,7 +294,7 @@ def build_pipeline(cfg, device, amp_dtype, loss, rank):
     modules = [build_stage_module(cfg, s, num_stages, mesh, device, amp_dtype)
                for s in stage_ids]
     pipeline.check_stage_layout(modules, stage_ids, num_stages, cfg, device,
-                       counted_once(mesh.get_local_rank("tp")))
+                                counted_once(mesh.get_local_rank("tp")))
     # One object per rank, once, printed by rank 0 in rank order: ranks printing at the same
     # time would interleave their lines.
     holdings = [None] * dist.get_world_size()

@@ -14,16 +14,10 @@ from labkit.data import micro_batches  # noqa: E402
 from labkit.probes import held_bytes  # noqa: E402
 
 
-def pipeline_stage_held_bytes(rank, world_size, args):
-    """One step of lab04 (pipeline x FSDP) on this rank. At the start of each microbatch's
-    forward, the bytes of the parameters and gradients the stage holds (storages counted once:
-    sharded or gathered, whichever FSDP has registered then). Returns the largest, and the
-    parameters of one block."""
-    cfg = lab04_pipeline.parse_config(args)
-    device = torch.device("cpu")
-    scaler = pipeline.pipeline_grad_scaler(None, device)
-    mesh, stages, schedule, optimizers = lab04_pipeline.build_pipeline(
-        cfg, device, None, pipeline.scaled_loss(scaler))
+def largest_held_at_each_forward(stages, run_step):
+    """Runs one step; at the start of each microbatch's forward, the bytes of the parameters
+    and gradients the stages hold (storages counted once: sharded or gathered, whichever FSDP
+    has registered then; a DTensor's local part). Returns the largest."""
     held = []
 
     def measure(module, inputs):
@@ -32,11 +26,40 @@ def pipeline_stage_held_bytes(rank, world_size, args):
 
     for stage in stages:
         stage.submod.register_forward_pre_hook(measure)
+    run_step()
+    return max(held)
+
+
+def pipeline_stage_held_bytes(rank, world_size, args):
+    """One step of lab04 (pipeline x FSDP) on this rank: the most parameter and gradient bytes
+    its stage holds at a microbatch's forward, and the parameters of one block."""
+    cfg = lab04_pipeline.parse_config(args)
+    device = torch.device("cpu")
+    scaler = pipeline.pipeline_grad_scaler(None, device)
+    mesh, stages, schedule, optimizers = lab04_pipeline.build_pipeline(
+        cfg, device, None, pipeline.scaled_loss(scaler))
     batch = next(micro_batches(cfg, mesh.get_local_rank("dp"), cfg.dp, 0))
-    pipeline.train_step(cfg, schedule, stages, optimizers, scaler, batch, device)
+    peak = largest_held_at_each_forward(stages, lambda: pipeline.train_step(
+        cfg, schedule, stages, optimizers, scaler, batch, device))
     block = next(iter(stages[0].submod.layers.values()))
-    return {"peak_held": max(held), "per_microbatch": held,
-            "block_params": sum(p.numel() for p in block.parameters())}
+    return {"peak_held": peak, "block_params": sum(p.numel() for p in block.parameters())}
+
+
+def three_d_stage_held_bytes(rank, world_size, args):
+    """The same for lab05 (pipeline x FSDP x TP): a rank holds its tp slice of the stage."""
+    import lab05_3d
+
+    cfg = lab05_3d.parse_config(args)
+    device = torch.device("cpu")
+    scaler = pipeline.pipeline_grad_scaler(None, device)
+    mesh, stages, schedule, optimizers = lab05_3d.build_pipeline(
+        cfg, device, None, pipeline.scaled_loss(scaler), rank)
+    batch = next(micro_batches(cfg, mesh.get_local_rank("dp"), cfg.dp, 0))
+    tp_rank = mesh.get_local_rank("tp")
+    peak = largest_held_at_each_forward(stages, lambda: pipeline.train_step(
+        cfg, schedule, stages, optimizers, scaler, batch, device, reports_loss=tp_rank == 0,
+        counted=lab05_3d.counted_once(tp_rank)))
+    return {"peak_held": peak}
 
 
 # What torch's FSDPMemTracker counts as held unsharded: the params FSDP gathered, their

@@ -123,6 +123,7 @@ def test_a_70b_plan_divides_the_state_by_dp_x_tp_and_starts_nothing():
     shown = float(re.search(r"params \(fp32\)\s+([\d.]+) GB", proc.stdout).group(1))
     assert abs(shown - 4 * held / 16 / 1e9) < 0.005, (shown, 4 * held / 16 / 1e9)
     # Under pipelining FSDP keeps the whole stage gathered (bf16) with fp32 gradients, 1/tp each.
-    gathered = float(re.search(r"gathered \(FSDP, whole stage\)\s+([\d.]+) GB", proc.stdout)[1])
+    gathered = float(re.search(r"gathered \(FSDP\)\s+([\d.]+) GB", proc.stdout)[1])
+    assert "(gathered (FSDP): the root and the whole stage, with gradients)" in proc.stdout
     assert abs(gathered - held * (2 + 4) / 8 / 1e9) < 0.005, gathered
     assert "does NOT fit" in proc.stdout and "with --activation-checkpointing:" in proc.stdout

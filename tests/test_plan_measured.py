@@ -4,6 +4,7 @@ really alive on CPU, at a small size, in fp32 (labs/labkit/plan.py's estimate_me
 - Pipeline x FSDP (lab04's and lab05's layout): every block of a stage stays gathered, with an
   unsharded gradient, all step long. Measured: the bytes of the parameters and gradients a
   stage holds at each microbatch's forward, through a real schedule at pp 2 x dp 2.
+- Pipeline x FSDP x TP (lab05): the same, each rank holding its tp slice.
 - TP without and with sequence parallel (lab03): a block's saved activations per rank.
   Measured: lab03's --count-comms (the bytes autograd saves for the first micro-batch), at 2
   and at 4 blocks; the difference over 2 is one block's, with everything outside the blocks
@@ -72,6 +73,21 @@ def test_a_pipeline_stage_stays_gathered_with_its_gradients_all_step(monkeypatch
     two_blocks = 2 * 8 * per_rank[0]["block_params"]  # gathered fp32 params and grads
     assert measured > 1.9 * two_blocks, (measured, two_blocks)
     assert_plan_bounds(measured, items["gathered (FSDP)"])
+
+
+def test_a_3d_stage_holds_its_tp_slice_of_the_whole_stage(monkeypatch):
+    """lab05 at pp 2 x dp 2 x tp 2: the same whole-stage gather as lab04's, each rank holding
+    its tp slice of it (the plan's "gathered (FSDP)" divided by tp)."""
+    args = ["--pp", 2, "--dp", 2, "--tp", 2, "--num-layers", 8, "--microbatches", 4,
+            "--steps", 1]
+    per_rank = run_workers(plan_workers.three_d_stage_held_bytes, 8, [str(a) for a in args],
+                           timeout_s=300)
+    lab05 = load_script(LABS / "lab05_3d.py")
+    cfg = lab_config(lab05, args, 8, monkeypatch)
+    planned = plan.estimate_memory(cfg, lab05.plan_layout(cfg, 8), None)[plan.GATHERED]
+    measured = max(r["peak_held"] for r in per_rank)
+    print(f"3D stage: measured {measured:,} bytes, planned {planned:,}")
+    assert_plan_bounds(measured, planned)
 
 
 @pytest.fixture(scope="module")
