@@ -29,7 +29,7 @@ README = REPO / "README.md"
 README_COMMANDS = {
     "make course": "test_make_course_runs_every_stage_quietly",
     "make test": "test_environment.py::test_ci_runs_exactly_the_readme_test_command",
-    "make test CONSTRAINTS=": "test_make_test_without_constraints_keeps_your_torch",
+    "make test LOCK=": "test_make_test_without_the_lock_keeps_your_torch",
     "make site": "test_site.py::test_no_broken_internal_links_or_anchors",
     "make gpu-check": "test_make_gpu_check_without_a_gpu_says_so",
     "python -m http.server -d site":
@@ -38,6 +38,10 @@ README_COMMANDS = {
         "test_a_pip_mirror_reaches_the_pip_make_uses",
     "export PIP_INDEX_URL=https://<your-mirror>/simple":
         "test_a_pip_mirror_reaches_the_pip_make_uses",
+    "export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu":
+        "test_a_pip_mirror_reaches_the_pip_make_uses",
+    "pip install --group learner -c requirements.lock":
+        "test_the_learner_group_is_what_reading_along_needs",
     "python labs/lab01_ddp.py": "test_lab01_alone_and_under_torchrun_print_the_readme_lines",
     "torchrun --standalone --nproc-per-node 2 labs/lab01_ddp.py --check-parity":
         "test_lab01_alone_and_under_torchrun_print_the_readme_lines",
@@ -102,7 +106,7 @@ def test_the_command_scanner_finds_block_and_inline_commands(tmp_path, monkeypat
 # Every line `make course` may print (make's own two lines and the runner's). Anything else,
 # a warning from torch, a kernel's log line, a traceback, fails the test.
 COURSE_LINES = [
-    r">> installing requirements into \S+",
+    r">> installing the site group, as requirements\.lock pins it, into \S+",
     r"\S*python\S* tools/course\.py",
     r"\[lab \d/\d\] lab\d\d_\w+\.py: torchrun x\d+ --check-parity \.\.\. \d+ s \| done \| .*",
     r"\[lessons\] executing \d+: .*",
@@ -198,16 +202,24 @@ def test_make_course_builds_both_editions_and_keeps_the_lessons_it_ran(make_cour
 
 # --- the other commands ------------------------------------------------------------------
 
-def test_make_test_without_constraints_keeps_your_torch():
-    """`make test CONSTRAINTS=` installs the ranges of requirements.txt and no pins, so pip keeps
-    an installed torch build that satisfies them (a CUDA one, say). Shown by make itself,
-    without running the suite inside the suite: -n prints the recipe it would run."""
-    pinned, unpinned = (subprocess.run(["make", "-n", "test", *extra], cwd=REPO,
+def test_make_test_without_the_lock_keeps_your_torch():
+    """`make test LOCK=` installs the test group's ranges (pyproject.toml) and no pins, so pip
+    keeps an installed torch build that satisfies them (a CUDA one, say); plain `make test`
+    holds every package to requirements.lock. Shown by make itself, without running the suite
+    inside the suite: -n prints the recipe it would run."""
+    locked, unlocked = (subprocess.run(["make", "-n", "test", *extra], cwd=REPO,
                                        capture_output=True, text=True, timeout=60).stdout
-                        for extra in ([], ["CONSTRAINTS="]))
-    assert "-r requirements.txt -c constraints.txt" in pinned
-    install = next(line for line in unpinned.splitlines() if "-m pip install" in line)
-    assert install.rstrip().endswith("-r requirements.txt") and "constraints" not in install
+                        for extra in ([], ["LOCK="]))
+    install = lambda recipe: [line for line in recipe.splitlines()  # noqa: E731
+                              if "-m pip" in line and "--group" in line]
+    assert [line.split("install", 1)[1].strip() for line in install(locked)] == [
+        "--quiet --group test -c requirements.lock"]
+    assert [line.split("install", 1)[1].strip() for line in install(unlocked)] == [
+        "--quiet --group test"]
+    course = subprocess.run(["make", "-n", "course"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60).stdout
+    assert [line.split("install", 1)[1].strip() for line in install(course)] == [
+        "--quiet --group site -c requirements.lock"]
 
 
 def test_make_gpu_check_without_a_gpu_says_so():
@@ -239,8 +251,30 @@ def test_a_pip_mirror_reaches_the_pip_make_uses(tmp_path):
                        f"{PYTHON} -m pip config list"],
         capture_output=True, text=True, timeout=60, env={**env, "HOME": str(tmp_path)}).stdout
     assert ":env:.index-url='https://mirror.example/simple'" in exported
+    extra = subprocess.run(
+        ["bash", "-c", "export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu && "
+                       f"{PYTHON} -m pip config list"],
+        capture_output=True, text=True, timeout=60, env={**env, "HOME": str(tmp_path)}).stdout
+    assert ":env:.extra-index-url='https://download.pytorch.org/whl/cpu'" in extra
     makefile = (REPO / "Makefile").read_text()
-    assert "$(PY) -m pip install" in makefile and "index-url" not in makefile
+    assert "PIP := $(PY) -m pip " in makefile and "index-url" not in makefile
+
+
+def test_the_learner_group_is_what_reading_along_needs(tmp_path):
+    """The README's learner install, resolved as into an empty environment (pip's --dry-run
+    --ignore-installed --report): torch as the lock pins it and the notebook stack, and none of
+    the site's or the tests' tools."""
+    report = tmp_path / "report.json"
+    proc = subprocess.run([PYTHON, "-m", "pip", "install", "--group", "learner", "-c",
+                           "requirements.lock", "--dry-run", "--ignore-installed", "--quiet",
+                           "--report", str(report)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    would = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+             for item in json.loads(report.read_text())["install"]}
+    assert would["torch"] == "2.13.0+cpu"
+    assert {"jupyterlab", "jupytext", "matplotlib", "ipykernel", "nbclient"} <= set(would)
+    assert not {"mkdocs", "mkdocs-material", "pytest", "nbval", "playwright"} & set(would)
 
 
 STEP_LINE = re.compile(r"step +\d+ \| loss \d\.\d{4} \| [\d.]+ ms \| \d+ tok/s \| data \d+% \| "
