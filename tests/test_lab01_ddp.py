@@ -94,6 +94,7 @@ BAD_INPUTS = [
     (["--clip", "inf"], "--clip"),
     (["--checkpoint-dir", "/proc/forbidden"], "--checkpoint-dir"),  # mkdir fails there, even as root
     (["--metrics-out", "/proc/forbidden/metrics.json"], "--metrics-out"),
+    (["--steps", "3", "--profile-dir", "/tmp/never-written"], "--profile-dir"),
 ]
 
 
@@ -113,6 +114,20 @@ def test_bad_input_is_one_clear_line(args, flag, refusals):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], proc.stderr
     assert proc.stdout == ""
+
+
+def test_a_resume_too_short_to_profile_is_refused(tmp_path):
+    """--profile-dir counts the steps this launch runs: a resume from step 8 of 10 runs two,
+    too few to record steps 3-4, and says so before any process group starts."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step_00000008.pt").touch()  # complete_checkpoints() only reads names
+    proc = run_all([[PYTHON, str(LABS / f"{LAB}.py"), "--steps", "10", "--resume",
+                     "--checkpoint-dir", tmp_path / "ckpt", "--profile-dir", tmp_path / "trace"]],
+                   timeout=60)[0]
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "lab01_ddp.py: error: --profile-dir: needs 4 steps or more in this launch (it records "
+        "steps 3-4 of them, after warm-up); this one runs 2"], proc.stderr
 
 
 def test_cuda_request_without_gpu_is_refused():

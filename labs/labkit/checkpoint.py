@@ -40,6 +40,11 @@ def latest_checkpoint(directory):
     return found[-1] if found else None
 
 
+def checkpoint_step(path):
+    """The step a checkpoint was written after: step_00000012(.pt) -> 12."""
+    return int(Path(path).name.split("_")[1].split(".")[0])
+
+
 def write_json_atomic(path, payload):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from labkit.checkpoint import checkpointed_batch_size, latest_checkpoint
+from labkit.checkpoint import checkpoint_step, checkpointed_batch_size, latest_checkpoint
 from labkit.data import dataset_length, validate_data_file
 from labkit.errors import OneLineErrorParser, fail_config, refuse_negative
 from labkit.faults import add_drill_args, validate_drill_args
@@ -172,17 +172,19 @@ def validate_common(cfg, world_size, dp_size):
         return  # the rest is about this machine, which a plan does not need
     if cfg.checkpoint_dir:
         refuse_unwritable_directory("--checkpoint-dir", Path(cfg.checkpoint_dir))
-    if cfg.profile_dir and (cfg.stop_at_step or cfg.steps) < PROFILED_STEPS:
-        fail_config("--profile-dir", f"needs a run of {PROFILED_STEPS} steps or more (it "
-                    f"records steps 3-4, after warm-up); this one has {cfg.stop_at_step or cfg.steps}")
     if cfg.profile_dir:
+        if steps_this_launch(cfg) < PROFILED_STEPS:
+            fail_config("--profile-dir", f"needs {PROFILED_STEPS} steps or more in this launch "
+                        f"(it records steps 3-4 of them, after warm-up); this one runs "
+                        f"{steps_this_launch(cfg)}")
         refuse_unwritable_directory("--profile-dir", Path(cfg.profile_dir))
     for flag, path in [("--metrics-out", cfg.metrics_out),
                        ("--metrics-stream", cfg.metrics_stream)]:
-        if path and Path(path).is_dir():
+        if not path:
+            continue
+        if Path(path).is_dir():
             fail_config(flag, f"{path} is a directory; give a file path")
-        if path:
-            refuse_unwritable_directory(flag, Path(path).parent)
+        refuse_unwritable_directory(flag, Path(path).parent)
     if cfg.device == "cuda" and torch.cuda.device_count() < local_world_size():
         fail_config("--device", f"cuda needs one GPU per local rank: {local_world_size()} ranks, "
                     f"{torch.cuda.device_count()} GPUs visible; use --device cpu")
@@ -190,6 +192,13 @@ def validate_common(cfg, world_size, dp_size):
     if cfg.amp == "bf16" and device_type == "cuda" and not cuda_has_bf16():
         fail_config("--amp", f"bf16 needs an Ampere or newer GPU; {torch.cuda.get_device_name()} "
                     "has none: use --amp fp16 (or auto)")
+
+
+def steps_this_launch(cfg):
+    """The steps this launch runs: up to --stop-at-step or --steps, after the checkpoint that
+    --resume continues from."""
+    first = checkpoint_step(latest_checkpoint(cfg.checkpoint_dir)) if cfg.resume else 0
+    return (cfg.stop_at_step or cfg.steps) - first
 
 
 def refuse_unwritable_directory(flag, directory):
