@@ -419,3 +419,14 @@ def test_graceful_exit_is_a_closed_rendezvous_seen_from_the_redundancy_list():
                    if line.startswith("| `RendezvousGracefulExitError`"))
         assert "redundancy" in row or "冗余列表" in row, row
         assert "already full" not in row and "已经满员" not in row, row
+
+
+def test_the_decision_guide_pages_are_what_its_generator_makes():
+    """reference/which-parallelism.md is committed in both languages (so that links to it work on
+    a code host, not only on the site), and every figure in it is still computed: each page is
+    exactly what tools/decision_guide.py makes from its template and the two models now."""
+    import decision_guide  # tools/decision_guide.py
+
+    for path, text in decision_guide.pages().items():
+        assert path.read_text() == text, (
+            f"{path.relative_to(REPO)} is stale: run python tools/decision_guide.py")

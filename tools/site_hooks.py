@@ -23,7 +23,6 @@ from mkdocs.structure.files import File
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lessons as lesson_tools  # noqa: E402  (tools/lessons.py)
-import decision_guide  # noqa: E402  (tools/decision_guide.py)
 import error_index  # noqa: E402  (tools/error_index.py)
 import i18n  # noqa: E402  (tools/i18n.py: where each Chinese page lives)
 import site_i18n  # noqa: E402  (tools/site_i18n.py: the Chinese edition)
@@ -343,12 +342,6 @@ def add_generated(files, config, src_uri, content):
     files.append(File.generated(config, src_uri, content=content))
 
 
-# The Chinese table words of the decision guide (tools/decision_guide.py's LABELS).
-DECISION_GUIDE_LABELS_ZH = {"fits": "放得下", "too big": "放不下", "does not fit": "放不下",
-                            "to": "至", "comm": "通信", "model": "模型", "GPUs": "GPU 数",
-                            "compute per step at peak": "峰值下每步计算时间",
-                            "tok/s per GPU": "每 GPU tok/s"}
-
 # zh build: the English text of each page (src_uri -> markdown), for the headings' anchors.
 ENGLISH_MARKDOWN = {}
 
@@ -379,13 +372,6 @@ def on_files(files, config):
     add_generated(files, config, "labs/labkit.md", kit_page(lang))
     add_generated(files, config, "labs/index.md", labs_index(lang))
     add_generated(files, config, "reference/torchrun-flags.md", torchrun_flags_page(lang))
-    if lang == "en":
-        guide = decision_guide.page()
-    else:
-        guide = decision_guide.page(i18n.zh_path(decision_guide.TEMPLATE),
-                                    DECISION_GUIDE_LABELS_ZH)
-        ENGLISH_MARKDOWN["reference/which-parallelism.md"] = decision_guide.page()
-    add_generated(files, config, "reference/which-parallelism.md", guide)
     add_generated(files, config, "javascripts/error-messages.js", error_messages_script())
     runbooks_root = ROOT if lang == "en" else site_i18n.ZH  # holds runbooks/
     for name in ["index.md", *(p.name for p in runbook_paths())]:
@@ -449,7 +435,7 @@ def on_config(config):
             "labs/labkit.md"]
     runbooks = ["runbooks/index.md", *runbook_nav_groups(lang)]
     reference = sorted([*(f"reference/{p.name}" for p in (docs / "reference").glob("*.md")),
-                        "reference/torchrun-flags.md", "reference/which-parallelism.md"])
+                        "reference/torchrun-flags.md"])
     onboarding = [{say["Start here"]: "onboarding.md"}] if (docs / "onboarding.md").exists() else []
     config.nav = [{say["Home"]: "index.md"}, *onboarding, {say["Lessons"]: lessons},
                   {say["Labs"]: labs}, {say["Runbooks"]: runbooks},
