@@ -359,7 +359,8 @@ assert min(left) >= max(arrived)        # nobody left before the last rank arriv
 #   `getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor`.
 # - Gloo gained `ReduceOp.AVG` (pytorch PR #149781) and the list form of `reduce_scatter`
 #   (PR #149869) in March 2025, so from torch 2.8 by date. `cw.all_reduce_avg` falls back to
-#   SUM and a division, `cw.reduce_scatter_list` to the flat form.
+#   SUM and a division, `cw.reduce_scatter_list` to the flat form. (That is the call; what it
+#   sends is counted below.)
 # - The list form `dist.all_to_all` is marked unsupported on gloo in the docs' backend table,
 #   and the release where gloo gained it is not pinned down, so the course uses
 #   `all_to_all_single` on CPU.
@@ -379,6 +380,37 @@ warned = results[0]["old_name_warnings"]
 print("calling dist.all_gather_into_tensor on this torch warned:", warned or "nothing")
 if hasattr(torch.distributed, "all_gather_single"):   # torch >= 2.13
     assert any(w.startswith("FutureWarning") and "all_gather_single" in w for w in warned)
+
+# %% [markdown]
+# ### What gloo actually sends
+#
+# The cost model says what a ring must send. Linux counts every byte a process writes,
+# sockets included (`/proc/self/io`), so the difference around one call is what that rank
+# sent. `bytes_sent_per_collective` makes one call of each on 4 ranks (S = 4 MiB) and
+# divides by S:
+
+# %%
+sent = run_workers(cw.bytes_sent_per_collective, WORLD_SIZE, timeout_s=60)
+n = WORLD_SIZE
+if sent[0]["all_reduce"] is None:
+    print("not counted: this system has no /proc/self/io (it is Linux's)")
+else:
+    for name in ("all_reduce", "all_gather", "reduce_scatter"):
+        print(f"{name:15s} each rank sent {sent[0][name]:.3f} S | a ring sends "
+              f"{BUSBW_FACTOR[name](n):.3f} S")
+    for per_rank in sent:  # within 1%: the rest is gloo's message headers
+        assert abs(per_rank["all_reduce"] / BUSBW_FACTOR["all_reduce"](n) - 1) < 0.01
+        assert abs(per_rank["all_gather"] / BUSBW_FACTOR["all_gather"](n) - 1) < 0.01
+        # gloo's reduce-scatter sends what its all-reduce sends: twice a ring reduce-scatter
+        assert abs(per_rank["reduce_scatter"] / per_rank["all_reduce"] - 1) < 0.01
+        assert per_rank["reduce_scatter"] > 1.9 * BUSBW_FACTOR["reduce_scatter"](n)
+
+# %% [markdown]
+# All-reduce and all-gather send exactly what the ring sends. Reduce-scatter does not: gloo
+# accepts it in both forms, but underneath it all-reduces the whole tensor and keeps its own
+# chunk, so on gloo **a reduce-scatter costs an all-reduce**, twice a ring reduce-scatter's
+# bytes. Lesson 06 counts on this when it predicts FSDP's step on CPU. NCCL runs a real ring
+# reduce-scatter, (n-1)/n S per rank (*GPU only, not executed in CI*).
 
 # %% [markdown]
 # ### What the strategies of the next lessons do with these

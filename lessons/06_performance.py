@@ -475,9 +475,8 @@ print(f"lab01 at width 1024: measured / predicted {ratio[('lab01_ddp', 1024)]:.2
 #   512 x 512 peak.
 # - **Collectives are slower inside training than in comm_bench.** gloo's all-gathers and
 #   all-reduces took 384 ms against 233 predicted from comm_bench's fits at the same sizes.
-#   gloo has no reduce-scatter: `reduce_scatter_tensor_coalesced` clones the input, all-reduces
-#   it whole and copies its chunk out (ProcessGroupGloo.cpp, lines 1964-1997 at v2.6.0; 2.13
-#   ships only the binary), so a reduce-scatter costs an all-reduce, `2 (n-1)/n S`.
+#   And gloo's reduce-scatter all-reduces the whole tensor and keeps its chunk (lesson 00
+#   counts the bytes it sends), so a reduce-scatter costs an all-reduce, `2 (n-1)/n S`.
 # - **FSDP2's own copies**: copy-in before the all-gather, copy-out after, the reduce's division
 #   and cast, about 170 ms.
 # - At width 256 the step is overhead (Python, the dispatcher, launching gloo work), which no

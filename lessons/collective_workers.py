@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,35 @@ def run_flat_forms(rank, world_size, numel):
     return {"all_gather_flat": (rank_values(rank, numel), flat),
             "reduce_scatter_flat": (rank_values(rank, n), mine),
             "old_name_warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
+# ---- bytes each rank puts on the wire -----------------------------------------------------
+def bytes_written():
+    """Bytes this process has written so far, sockets included (Linux's /proc/self/io
+    "wchar"): gloo sends with plain writes, so the difference around one collective is what
+    this rank sent. None where there is no /proc (macOS)."""
+    io = Path("/proc/self/io")
+    if not io.exists():
+        return None
+    return int(next(line for line in io.read_text().splitlines()
+                    if line.startswith("wchar")).split()[1])
+
+
+def bytes_sent_per_collective(rank, world_size, shard_numel=2**18):
+    """{collective: bytes this rank sent / bytes of the full tensor S}, for one call each on
+    S = world_size x shard_numel fp32 values (the gathered size, for all-gather and
+    reduce-scatter). None without /proc."""
+    full, shard = torch.ones(world_size * shard_numel), torch.empty(shard_numel)
+    calls = {"all_reduce": lambda: dist.all_reduce(full),
+             "all_gather": lambda: all_gather_single(full, shard),
+             "reduce_scatter": lambda: reduce_scatter_single(shard, full)}
+    sent = {}
+    for name, call in calls.items():
+        dist.barrier()  # nobody is still sending the previous call's bytes
+        before = bytes_written()
+        call()
+        sent[name] = None if before is None else (bytes_written() - before) / full.nbytes
+    return sent
 
 
 def barrier_timing(rank, world_size, stagger_s=0.3):

@@ -278,7 +278,7 @@ assert min(left) >= max(arrived)        # nobody left before the last rank arriv
 # 本课程在 torch 2.13 上测试。`collective_workers.py` 中的辅助函数如何应对旧版本，依据的是相关 pull request 的合并日期（并没有在这些版本上实际运行过）：
 #
 # - 扁平形式在 2.13 之前叫 `all_gather_into_tensor` 和 `reduce_scatter_tensor`。在 2.13 中旧名字仍然可用，但会发出 `FutureWarning`（下面有断言检查），而新名字在更早的版本中不存在，所以辅助函数会选用当前存在的那个名字：`getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor`。
-# - gloo 在 2025 年 3 月加入了 `ReduceOp.AVG`（pytorch PR #149781）和列表形式的 `reduce_scatter`（PR #149869），按日期推算是从 torch 2.8 开始。`cw.all_reduce_avg` 会回退为 SUM 加一次除法，`cw.reduce_scatter_list` 会回退到扁平形式。
+# - gloo 在 2025 年 3 月加入了 `ReduceOp.AVG`（pytorch PR #149781）和列表形式的 `reduce_scatter`（PR #149869），按日期推算是从 torch 2.8 开始。`cw.all_reduce_avg` 会回退为 SUM 加一次除法，`cw.reduce_scatter_list` 会回退到扁平形式。（这里说的是调用接口；它实际发送多少字节，见下文的统计。）
 # - 在文档的后端支持表中，列表形式的 `dist.all_to_all` 在 gloo 上标为不支持，而 gloo 从哪个版本开始支持它也无法确定，所以本课程在 CPU 上使用 `all_to_all_single`。
 #
 # all-gather 和 reduce-scatter 的列表形式从未改变过，这也是本课先讲它们的原因。
@@ -295,6 +295,30 @@ warned = results[0]["old_name_warnings"]
 print("calling dist.all_gather_into_tensor on this torch warned:", warned or "nothing")
 if hasattr(torch.distributed, "all_gather_single"):   # torch >= 2.13
     assert any(w.startswith("FutureWarning") and "all_gather_single" in w for w in warned)
+
+# %% [markdown]
+# ### gloo 实际发送了多少字节
+#
+# 代价模型说的是环形算法必须发送多少。Linux 会统计一个进程写出的每个字节，包括写到套接字上的（`/proc/self/io`），所以一次调用前后的差值就是这个 rank 发送的字节数。`bytes_sent_per_collective` 在 4 个 rank 上把每种操作各调用一次（S = 4 MiB），再除以 S：
+
+# %%
+sent = run_workers(cw.bytes_sent_per_collective, WORLD_SIZE, timeout_s=60)
+n = WORLD_SIZE
+if sent[0]["all_reduce"] is None:
+    print("not counted: this system has no /proc/self/io (it is Linux's)")
+else:
+    for name in ("all_reduce", "all_gather", "reduce_scatter"):
+        print(f"{name:15s} each rank sent {sent[0][name]:.3f} S | a ring sends "
+              f"{BUSBW_FACTOR[name](n):.3f} S")
+    for per_rank in sent:  # within 1%: the rest is gloo's message headers
+        assert abs(per_rank["all_reduce"] / BUSBW_FACTOR["all_reduce"](n) - 1) < 0.01
+        assert abs(per_rank["all_gather"] / BUSBW_FACTOR["all_gather"](n) - 1) < 0.01
+        # gloo's reduce-scatter sends what its all-reduce sends: twice a ring reduce-scatter
+        assert abs(per_rank["reduce_scatter"] / per_rank["all_reduce"] - 1) < 0.01
+        assert per_rank["reduce_scatter"] > 1.9 * BUSBW_FACTOR["reduce_scatter"](n)
+
+# %% [markdown]
+# all-reduce 和 all-gather 发送的字节数与环形算法完全一致。reduce-scatter 不是这样：gloo 两种形式都接受，但底层是先对整个张量做 all-reduce，再留下自己那一块，所以在 gloo 上 **一次 reduce-scatter 的代价等于一次 all-reduce**，是环形 reduce-scatter 字节数的两倍。第 06 课在 CPU 上预测 FSDP 的单步耗时时用到了这一点。NCCL 运行的是真正的环形 reduce-scatter，每个 rank 发送 (n-1)/n S（*仅限 GPU，未在 CI 中执行*）。
 
 # %% [markdown]
 # ### 后续各课的并行策略如何使用这些操作

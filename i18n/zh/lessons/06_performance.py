@@ -377,7 +377,7 @@ print(f"lab01 at width 1024: measured / predicted {ratio[('lab01_ddp', 1024)]:.2
 # 它漏掉的最大一项是下面第一条：在单线程上，即使是单个进程，在宽度 1024 下运行实验模型也只能达到矩阵乘法峰值的 40% 到 70%（第 1 节），所以仅按峰值折算 FLOPs，会把计算时间少算三分之一甚至更多。模型漏掉的内容如下，都是编写本课时用 profiler 测得的（lab02，宽度 1024，一步：1,262 ms）：
 #
 # - **所有不是矩阵乘法的运算。** FLOPs 公式只计入矩阵乘法；norm、softmax、SwiGLU 的乘积、RoPE 和 loss 的运行速度都远低于矩阵乘法的峰值。`aten::mm` 本身就用了 548 ms，而预测值是 481：反向传播中的转置矩阵乘法达不到 512 x 512 的峰值。
-# - **训练中的集合通信比 comm_bench 里慢。** gloo 的 all-gather 和 all-reduce 用了 384 ms，而按 comm_bench 在相同大小下的拟合，预测只有 233。gloo 没有 reduce-scatter：`reduce_scatter_tensor_coalesced` 会克隆输入，对整个张量做 all-reduce，再把自己那一块拷出来（ProcessGroupGloo.cpp，v2.6.0 的第 1964-1997 行；2.13 只发布了二进制），所以一次 reduce-scatter 的代价等于一次 all-reduce，即 `2 (n-1)/n S`。
+# - **训练中的集合通信比 comm_bench 里慢。** gloo 的 all-gather 和 all-reduce 用了 384 ms，而按 comm_bench 在相同大小下的拟合，预测只有 233。而且 gloo 的 reduce-scatter 是对整个张量做 all-reduce，再留下自己那一块（第 00 课统计了它发送的字节数），所以一次 reduce-scatter 的代价等于一次 all-reduce，即 `2 (n-1)/n S`。
 # - **FSDP2 自己的拷贝**：all-gather 之前的 copy-in、之后的 copy-out，以及 reduce 时的除法和类型转换，约 170 ms。
 # - 在宽度 256 时，一步主要是开销（Python、dispatcher、发起 gloo 操作），任何 FLOP 或字节计数都看不到它：比值随之变大（编写本课时的运行中，lab01 为 1.3 到 1.9，lab02 为 1.6 到 2.9）。
 
