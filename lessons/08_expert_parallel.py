@@ -307,14 +307,15 @@ for p, ranks in ep_runs.items():
     tokens_per_rank = NUM_TOKENS // p
     uniform = tokens_per_rank * mw.TOP_K * (p - 1) / p * mw.DIM * 4
     sent = [r[CAPACITY_FACTORS[0]]["bytes_sent"] for r in ranks]
+    off = (sum(sent) / p - uniform) / uniform
     print(f"p={p}: dispatch bytes per rank {sent}, uniform router predicts {uniform:.0f}; "
-          f"per step (x4) {4 * sum(sent) / p:.0f} mean vs {4 * uniform:.0f}")
-    assert abs(sum(sent) / p - uniform) / uniform < 0.25
+          f"per step (x4) {4 * sum(sent) / p:.0f} mean vs {4 * uniform:.0f} ({off:+.0%})")
+    assert abs(off) < 0.25
 
 # %% [markdown]
-# The mean over ranks lands within 15% of the uniform formula here (14% over at p = 2, 2%
-# under at p = 4): with 64 tokens, how many choices happen to pick the rank's own experts,
-# and stay home, varies from rank to rank. The formula is an expectation for a uniform
+# The mean over ranks lands within 25% of the uniform formula (the bound the cell asserts;
+# the last figure of each line is this run's difference): with 64 tokens, how many choices
+# happen to pick the rank's own experts, and stay home, varies from rank to rank. The formula is an expectation for a uniform
 # router; an uneven router moves the mean too, up or down, depending on where its favourite
 # experts live. At scale the numbers are large: with
 # DeepSeek-V3's shape (dim 7168, k = 8) a token's dispatch is up to 8 x 7168 = 57,344 values
