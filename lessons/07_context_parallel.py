@@ -103,9 +103,11 @@ assert merge_error < 1e-6
 # ## The ring, by hand
 #
 # Each of p ranks holds its queries, keys and values. At step t, rank r holds the key/value
-# slice of rank r - t: it computes the attention of its queries to that slice and merges it in,
-# while it passes the slice on to rank r + 1 (`batch_isend_irecv`, both directions posted
-# together). After p steps every query has seen every key; after p - 1 rotations, the traffic
+# slice of rank r - t: it computes the attention of its queries to that slice and merges it in.
+# Before it computes, it posts the slice's trip to rank r + 1 and the next slice's arrival
+# from r - 1 (`batch_isend_irecv`, both directions together), and it waits for them only
+# after the compute: the traffic travels while the rank works. After p steps every query has
+# seen every key; after p - 1 rotations, the traffic
 # is (p-1)/p of the sequence's keys and values per rank per layer, the same volume as an
 # all-gather, but only two slices are ever in memory at once.
 #
@@ -120,7 +122,9 @@ assert merge_error < 1e-6
 # log-sum-exp. With the final log-sum-exp, a block's probabilities are its exact share of the
 # softmax, so each block's gradient can be computed alone. The key/value slice travels with
 # its gradient accumulator: every rank adds its queries' share, and after p rotations the
-# accumulator is home, complete.
+# accumulator is home, complete. The backward cannot post its rotation early: the
+# accumulator is complete only once this step has added to it, so it rotates after the
+# compute, blocking.
 
 # %%
 print(inspect.getsource(cw.ring_attention_forward))
@@ -159,6 +163,18 @@ assert worst < 1e-5
 # %% [markdown]
 # Outputs and all three gradients match one process to about 1e-6, float32 rounding: the
 # blocks are summed in a different order than one big softmax sums them.
+
+# %% [markdown]
+# The order the forward ran in, as it recorded it: every rotation posted before the compute
+# that uses the same slice, and received after it.
+
+# %%
+events = rings[4][0]["traffic"]["ring_events"]  # rank 0's forward on 4 ranks
+print(" -> ".join(f"{what} {step}" for what, step in events))
+for step in range(3):  # each rotation is posted before its step computes, received after
+    assert (events.index(("posted", step)) < events.index(("computed", step))
+            < events.index(("received", step)))
+
 
 # %% [markdown]
 # ## Causal masking, and the work it leaves uneven
@@ -374,6 +390,46 @@ plt.show()
 # rank runs them on its S/p tokens. What does not divide: the parameters (shard them with
 # FSDP over the same ranks, as torchtitan does with its `dp_shard_cp` mesh axis) and the
 # two key/value slices in flight.
+
+# %% [markdown]
+# ## The other way: all-to-all (Ulysses)
+#
+# The ring moves keys and values to the queries. DeepSpeed-Ulysses moves the work instead:
+# an all-to-all re-cuts q, k and v from "every head, S/p tokens" to "H/p heads, every token",
+# each rank runs plain attention on its heads, and one more all-to-all cuts the output back by
+# sequence. Four all-to-alls per layer, each sending (p-1)/p of a rank's slice.
+#
+# Per rank and forward, with s the bytes of one of q, k, v on one rank: the ring sends
+# 2(p-1)s (p-1 key/value slices), the all-to-all 4(p-1)s/p. Counted with lesson 00's byte
+# counter in the same runs, on a 1,024-token sequence:
+
+# %%
+print(inspect.getsource(cw.sequence_to_heads))
+print(inspect.getsource(cw.ulysses_attention))
+
+# %%
+q, k, v, _ = cw.make_qkv(1024)  # lesson_measurements' traffic_seq, 4 heads of 16
+reference = cw.full_attention(q, k, v, causal=True)
+for p, ranks in rings.items():
+    out = cw.unshard_sequence([r["traffic"]["ulysses_out"] for r in ranks], "contiguous")
+    slice_bytes = ranks[0]["traffic"]["slice_bytes"]  # one of q, k, v on one rank
+    predicted = {"ring": 2 * (p - 1) * slice_bytes, "all-to-all": 4 * (p - 1) / p * slice_bytes}
+    sent = ranks[0]["traffic"]["sent"]
+    print(f"p={p}: all-to-all output vs one process {(out - reference).abs().max():.1e} | "
+          + " | ".join(f"{name} sent {sent[name]:,} B, predicted {predicted[name]:,.0f}"
+                       for name in predicted if sent[name] is not None))
+    assert (out - reference).abs().max() < 1e-5
+    for name in predicted:  # within 2%: the rest is message headers
+        if sent[name] is not None:
+            assert abs(sent[name] / predicted[name] - 1) < 0.02, (name, sent[name])
+
+# %% [markdown]
+# At p = 2 they send the same; beyond that the all-to-all sends 2/p of the ring's bytes. So
+# Ulysses wins where the all-to-all is fast, inside a node with NVLink, and where p divides
+# the number of heads (it cannot cut 8 heads 16 ways; grouped-query attention, with fewer
+# key/value heads, caps it lower). The ring wins when p is larger than that, across nodes
+# where each rank only talks to its neighbours, and when a block's compute is long enough to
+# hide its traffic. Large runs combine them: Ulysses inside a node, the ring across nodes.
 
 # %% [markdown]
 # ## The library path: context_parallel in torch

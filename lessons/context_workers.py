@@ -97,26 +97,39 @@ def rank_and_size(group=None):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def rotate(tensor, group=None):
-    """Send tensor to the next rank, receive the previous rank's: the ring's one step.
-    Both directions are posted together (batch_isend_irecv), so no pair of ranks deadlocks."""
+def post_rotation(tensor, group=None):
+    """Start the ring's one step: send tensor to the next rank, receive the previous rank's.
+    Both directions are posted together (batch_isend_irecv), so no pair of ranks deadlocks.
+    Returns (the tensor being received, its requests): finish_rotation waits for it."""
     rank, world_size = rank_and_size(group)
-    if world_size == 1:
-        return tensor
     received = torch.empty_like(tensor)
     ops = [dist.P2POp(dist.isend, tensor.contiguous(), (rank + 1) % world_size, group),
            dist.P2POp(dist.irecv, received, (rank - 1) % world_size, group)]
-    for request in dist.batch_isend_irecv(ops):
+    return received, dist.batch_isend_irecv(ops)
+
+
+def finish_rotation(posted):
+    received, requests = posted
+    for request in requests:
         request.wait()
     return received
 
 
+def rotate(tensor, group=None):
+    """One ring step, blocking: post it, wait for it."""
+    if rank_and_size(group)[1] == 1:
+        return tensor
+    return finish_rotation(post_rotation(tensor, group))
+
+
 class Work:
-    """What one rank computed: blocks of scores, and the thread CPU time spent on them."""
+    """What one rank computed: blocks of scores, the thread CPU time spent on them, and the
+    forward's order of events (when each rotation was posted, used and received)."""
 
     def __init__(self):
         self.blocks = 0
         self.cpu_s = 0.0
+        self.events = []
 
     def timed(self, fn, *args):
         start = time.thread_time()
@@ -137,6 +150,10 @@ def ring_attention_forward(q, k, v, layout, causal, work=None, group=None):
     outs, lses = [None] * len(my_ids), [None] * len(my_ids)
     kv = torch.stack([k, v])
     for step in range(world_size):
+        # Post the next rotation before computing: the slice travels to rank + 1 (and the
+        # previous rank's arrives) while this step computes with it. Only reads touch kv.
+        in_flight = post_rotation(kv, group) if step < world_size - 1 else None
+        work.events.append(("posted", step) if in_flight else ("last step", step))
         kv_ids = chunk_ids((rank - step) % world_size, world_size, layout)
         k_chunks, v_chunks = (t.chunk(len(kv_ids), dim=-2) for t in kv)
         for qi, q_id in enumerate(my_ids):
@@ -147,8 +164,10 @@ def ring_attention_forward(q, k, v, layout, causal, work=None, group=None):
                 block = work.timed(attention_block, q_chunks[qi], k_chunks[ki], v_chunks[ki],
                                    scale, seen == "diagonal")
                 outs[qi], lses[qi] = merge(outs[qi], lses[qi], *block)
-        if step < world_size - 1:
-            kv = rotate(kv, group)
+        work.events.append(("computed", step))
+        if in_flight:
+            kv = finish_rotation(in_flight)
+            work.events.append(("received", step))
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
@@ -190,6 +209,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, layout, causal, work=None, 
                 dq_c[qi].add_(dq_b)  # views into dq, dk, dv: += writes through
                 dk_c[ki].add_(dk_b)
                 dv_c[ki].add_(dv_b)
+        # Blocking: the accumulator is complete only after this step has added to it.
         kv_grad = rotate(kv_grad, group)  # p rotations: the gradients come home
     return dq, kv_grad[2], kv_grad[3]
 
@@ -214,6 +234,54 @@ class RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, layout="zigzag", causal=True, work=None):
     return RingAttention.apply(q, k, v, layout, causal, work)
+
+
+# --- all-to-all context parallelism (DeepSpeed-Ulysses) -------------------------------------
+
+def sequence_to_heads(t, group=None):
+    """[heads, seq/p, d] on each rank -> [heads/p, seq, d]: one all-to-all sends head group j
+    of this rank's slice to rank j, and receives every rank's slice of its own head group."""
+    _, world_size = rank_and_size(group)
+    send = t.reshape(world_size, t.shape[0] // world_size, *t.shape[1:]).contiguous()
+    received = torch.empty_like(send)  # [source rank = sequence slice, heads/p, seq/p, d]
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=-2)
+
+
+def heads_to_sequence(t, group=None):
+    """The inverse: [heads/p, seq, d] -> [heads, seq/p, d], one all-to-all."""
+    _, world_size = rank_and_size(group)
+    send = torch.stack(t.chunk(world_size, dim=-2)).contiguous()  # slice j goes to rank j
+    received = torch.empty_like(send)  # [source rank = head group, heads/p, seq/p, d]
+    dist.all_to_all_single(received, send, group=group)
+    return received.reshape(-1, *received.shape[2:])
+
+
+def ulysses_attention(q, k, v, causal=True, group=None):
+    """Attention over a sequence cut in contiguous slices, one per rank, by re-cutting it by
+    heads: three all-to-alls give each rank the whole sequence for heads/p heads, it computes
+    plain attention on them, and one all-to-all cuts the output back by sequence."""
+    full = full_attention(*(sequence_to_heads(t, group) for t in (q, k, v)), causal=causal)
+    return heads_to_sequence(full, group)
+
+
+def forward_traffic(rank, world_size, seq_len, heads=4, head_dim=16):
+    """Bytes this rank sent in one causal forward, ring and all-to-all, with the all-to-all
+    version's output for the parity check and the ring's order of events."""
+    from collective_workers import bytes_written
+
+    q, k, v, _ = make_qkv(seq_len, heads, head_dim)
+    local = [shard_sequence(t, rank, world_size, "contiguous") for t in (q, k, v)]
+    sent, work = {}, Work()
+    for name, attend in [("ring", lambda: ring_attention_forward(*local, "contiguous", True,
+                                                                  work)),
+                         ("all-to-all", lambda: ulysses_attention(*local))]:
+        dist.barrier()
+        before = bytes_written()
+        output = attend()
+        sent[name] = None if before is None else bytes_written() - before
+    return {"sent": sent, "slice_bytes": local[0].nbytes, "ulysses_out": output,
+            "ring_events": work.events}
 
 
 # --- the single-process reference, and the inputs every rank shares ---------------------------
@@ -343,13 +411,15 @@ def ring_memory(rank, world_size, seq_lens, heads=4, head_dim=16):
     return results
 
 
-def lesson_measurements(rank, world_size, parity_seq, work_shape, memory_seqs, library):
+def lesson_measurements(rank, world_size, parity_seq, work_shape, memory_seqs, library,
+                        traffic_seq=1024):
     """Everything lesson 07 measures on one ring, in one spawn (starting processes is the
     slow part on a laptop)."""
     layouts = ["contiguous", "zigzag"]
     results = {"parity": ring_parity(rank, world_size, parity_seq, layouts),
                "work": ring_work(rank, world_size, *work_shape, layouts),
-               "memory": ring_memory(rank, world_size, memory_seqs)}
+               "memory": ring_memory(rank, world_size, memory_seqs),
+               "traffic": forward_traffic(rank, world_size, traffic_seq)}
     if library:
         results["library"] = try_library_context_parallel(rank, world_size)
     return results

@@ -86,7 +86,7 @@ assert merge_error < 1e-6
 # %% [markdown]
 # ## 手写环形注意力
 #
-# p 个 rank 各自持有自己的 query、key 和 value。第 t 步时，rank r 持有 rank r - t 的 key/value 切片：它计算自己的 query 对这个切片的注意力并合并进结果，同时把这个切片传给 rank r + 1（`batch_isend_irecv`，收、发两个方向一起提交）。p 步之后，每个 query 都见过了所有 key；经过 p - 1 次轮转，每个 rank 每层的通信量是整条序列 key 和 value 的 (p-1)/p，与一次 all-gather 相同，但内存里任何时刻都只有两个切片。
+# p 个 rank 各自持有自己的 query、key 和 value。第 t 步时，rank r 持有 rank r - t 的 key/value 切片：它计算自己的 query 对这个切片的注意力并合并进结果。在计算之前，它先提交两个方向的通信：把这个切片发给 rank r + 1，并接收 rank r - 1 的下一个切片（`batch_isend_irecv`，收、发一起提交）；计算完成之后才等待它们完成。这样，通信与计算同时进行。p 步之后，每个 query 都见过了所有 key；经过 p - 1 次轮转，每个 rank 每层的通信量是整条序列 key 和 value 的 (p-1)/p，与一次 all-gather 相同，但内存里任何时刻都只有两个切片。
 #
 # ```
 #  step 0:  rank0[KV0]  rank1[KV1]  rank2[KV2]  rank3[KV3]
@@ -95,7 +95,7 @@ assert merge_error < 1e-6
 #  step 3:  rank0[KV1]  rank1[KV2]  rank2[KV3]  rank3[KV0]     every rank has seen all four
 # ```
 #
-# 反向传播跑的是同一个环。每个 rank 只保存自己的 q、k、v、输出和 log-sum-exp。有了最终的 log-sum-exp，一个块的概率就是它在整个 softmax 中的准确份额，所以每个块的梯度都能单独计算。key/value 切片带着它的梯度缓冲区一起传递：每个 rank 把自己 query 贡献的那一份加进去，p 次轮转之后，缓冲区回到原来的 rank，梯度也就完整了。
+# 反向传播跑的是同一个环。每个 rank 只保存自己的 q、k、v、输出和 log-sum-exp。有了最终的 log-sum-exp，一个块的概率就是它在整个 softmax 中的准确份额，所以每个块的梯度都能单独计算。key/value 切片带着它的梯度缓冲区一起传递：每个 rank 把自己 query 贡献的那一份加进去，p 次轮转之后，缓冲区回到原来的 rank，梯度也就完整了。反向传播不能提前提交轮转：缓冲区要等这一步加完才完整，所以它在计算之后才轮转，而且是阻塞的。
 
 # %%
 print(inspect.getsource(cw.ring_attention_forward))
@@ -131,6 +131,16 @@ assert worst < 1e-5
 
 # %% [markdown]
 # 输出和三个梯度与单进程一致，误差约 1e-6，来自 float32 舍入：各块求和的顺序与一次大 softmax 的求和顺序不同。
+
+# %% [markdown]
+# 前向传播自己记录下的执行顺序：每次轮转都在使用同一切片的计算之前提交，在计算之后才收到。
+
+# %%
+events = rings[4][0]["traffic"]["ring_events"]  # rank 0's forward on 4 ranks
+print(" -> ".join(f"{what} {step}" for what, step in events))
+for step in range(3):  # each rotation is posted before its step computes, received after
+    assert (events.index(("posted", step)) < events.index(("computed", step))
+            < events.index(("received", step)))
 
 # %% [markdown]
 # ## 因果掩码，以及它造成的计算量不均
@@ -309,6 +319,36 @@ plt.show()
 # S 每翻一倍，一个 rank 的字节数就翻一倍；p 每翻一倍，字节数就减半，与预测完全一致（上面已逐字节断言）。普通注意力的曲线更陡：它还要保存 S x S 的概率矩阵，S 每翻一倍增长 4x。环形注意力从不构造这个矩阵，这和 flash attention 在单块 GPU 内部省下的是同一笔内存。
 #
 # 在完整模型中，逐 token 的层（MLP、归一化、投影）的激活值同样除以 p，因为每个 rank 只在自己的 S/p 个 token 上运行它们。不会除以 p 的部分：参数（用 FSDP 在同一组 rank 上对它们分片，torchtitan 就是通过 `dp_shard_cp` 这个网格维度这样做的），以及正在传输中的两个 key/value 切片。
+
+# %% [markdown]
+# ## 另一种做法：all-to-all（Ulysses）
+#
+# 环形注意力把 key 和 value 送到 query 那里。DeepSpeed-Ulysses 则是把计算挪走：一次 all-to-all 把 q、k、v 从“全部注意力头、S/p 个 token”重新切成“H/p 个头、全部 token”，每个 rank 对自己的头做普通的注意力计算，再用一次 all-to-all 按序列切回去。每层四次 all-to-all，每次发送一个 rank 切片的 (p-1)/p。
+#
+# 记 s 为一个 rank 上 q、k、v 之一的字节数，则每个 rank 每次前向传播：环形发送 2(p-1)s（p-1 个 key/value 切片），all-to-all 发送 4(p-1)s/p。下面在同样的几次运行里，用第 00 课的字节计数器统计一条 1,024 个 token 的序列：
+
+# %%
+print(inspect.getsource(cw.sequence_to_heads))
+print(inspect.getsource(cw.ulysses_attention))
+
+# %%
+q, k, v, _ = cw.make_qkv(1024)  # lesson_measurements' traffic_seq, 4 heads of 16
+reference = cw.full_attention(q, k, v, causal=True)
+for p, ranks in rings.items():
+    out = cw.unshard_sequence([r["traffic"]["ulysses_out"] for r in ranks], "contiguous")
+    slice_bytes = ranks[0]["traffic"]["slice_bytes"]  # one of q, k, v on one rank
+    predicted = {"ring": 2 * (p - 1) * slice_bytes, "all-to-all": 4 * (p - 1) / p * slice_bytes}
+    sent = ranks[0]["traffic"]["sent"]
+    print(f"p={p}: all-to-all output vs one process {(out - reference).abs().max():.1e} | "
+          + " | ".join(f"{name} sent {sent[name]:,} B, predicted {predicted[name]:,.0f}"
+                       for name in predicted if sent[name] is not None))
+    assert (out - reference).abs().max() < 1e-5
+    for name in predicted:  # within 2%: the rest is message headers
+        if sent[name] is not None:
+            assert abs(sent[name] / predicted[name] - 1) < 0.02, (name, sent[name])
+
+# %% [markdown]
+# p = 2 时两者发送的字节数相同；p 更大时，all-to-all 只发送环形的 2/p。所以 Ulysses 适合 all-to-all 快的场合，比如节点内有 NVLink 的情况，而且 p 要能整除注意力头数（8 个头没法切成 16 份；分组查询注意力的 key/value 头更少，上限更低）。p 超出这个范围、跨节点时每个 rank 只和相邻 rank 通信、以及单个块的计算足够长可以掩盖通信时，环形更有优势。大规模训练会把两者结合起来：节点内用 Ulysses，节点间用环形。
 
 # %% [markdown]
 # ## 库的做法：torch 中的 context_parallel
