@@ -1,21 +1,33 @@
 """Offline schema check for Kubernetes manifests, strict like `kubectl apply --validate=strict`.
 
-The schemas are the OpenAPI models that Kubeflow publishes in its Training SDK
-(`kubeflow-training`, generated from the operator's API: PyTorchJob and its specs) and the
-official Kubernetes Python client (core objects: pods, volumes, claims). Every model lists its
-fields (`attribute_map`: JSON name) and their types (`openapi_types`); the constructors reject a
-missing required field. `errors()` walks a document against them and reports every unknown
-field, wrong type and missing required field, with its path.
+The schemas are the OpenAPI models that Kubeflow and Kubernetes publish:
+
+- Kubeflow Trainer v2's `kubeflow-trainer-api` (module `kubeflow_trainer_api`, generated from
+  Trainer's API: TrainJob with the core types it embeds). Pydantic models: each field has its
+  JSON name (`alias`) and a typed annotation (StrictStr, StrictInt, ...). Their `from_dict`
+  silently drops fields it does not know, so `errors()` walks the document against the
+  annotations itself, then deserializes it with `from_dict` for the models' own validators.
+- The Training Operator v1's `kubeflow-training` (PyTorchJob, the legacy recipe) and the
+  official Kubernetes Python client (core objects: pods, volumes, claims): every model lists its
+  fields (`attribute_map`: JSON name) and their types (`openapi_types`); the constructors reject
+  a missing required field.
+
+`errors()` reports every unknown field, wrong type and missing required field, with its path.
 """
 
 import re
+import types
+import typing
 
 import kubernetes.client.models as core
+import pydantic
 from kubeflow.training import models as kubeflow
+from kubeflow_trainer_api import models as trainer
 
 MODELS = {("kubeflow.org/v1", "PyTorchJob"): "KubeflowOrgV1PyTorchJob",
           ("v1", "PersistentVolumeClaim"): "V1PersistentVolumeClaim",
           ("v1", "ConfigMap"): "V1ConfigMap"}
+TRAINER_MODELS = {("trainer.kubeflow.org/v1alpha1", "TrainJob"): trainer.TrainerV1alpha1TrainJob}
 SCALARS = {"str": str, "int": int, "bool": bool, "float": (int, float), "datetime": str,
            "date": str}
 
@@ -27,8 +39,11 @@ def model_class(name):
 def errors(document):
     """Every schema violation in one manifest document, as 'path: problem' lines."""
     key = (document.get("apiVersion"), document.get("kind"))
+    if key in TRAINER_MODELS:
+        return trainer_errors(document, TRAINER_MODELS[key])
     if key not in MODELS:
-        return [f"apiVersion/kind {key}: no schema here (known: {sorted(MODELS)})"]
+        return [f"apiVersion/kind {key}: no schema here "
+                f"(known: {sorted([*MODELS, *TRAINER_MODELS])})"]
     found = []
     check(document, MODELS[key], document.get("kind"), found)
     return found
@@ -74,3 +89,71 @@ def check_model(value, cls, path, found):
     except ValueError as exc:
         found.append(f"{path}: {exc}")
     return kwargs
+
+
+# ------------------------------------------------------------ kubeflow_trainer_api (pydantic)
+def trainer_errors(document, cls):
+    found = []
+    check_annotation(document, cls, document["kind"], found)
+    if not found:  # the walk saw every field; the models' own validators have the last word
+        try:
+            cls.from_dict(document)
+        except (pydantic.ValidationError, ValueError) as exc:
+            found.append(f"{document['kind']}: {exc}")
+    return found
+
+
+def check_annotation(value, annotation, path, found):
+    """Check value against a pydantic field annotation: Optional, List, Dict, a model, a oneOf
+    wrapper (Quantity, IntOrString) or a scalar such as StrictStr."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if value is None and len(options) < len(args):
+            return
+        if len(options) == 1:
+            return check_annotation(value, options[0], path, found)
+    elif origin is list:
+        if not isinstance(value, list):
+            found.append(f"{path}: expected a list, got {type(value).__name__}")
+            return
+        for i, item in enumerate(value):
+            check_annotation(item, args[0], f"{path}[{i}]", found)
+        return
+    elif origin is dict:
+        if not isinstance(value, dict):
+            found.append(f"{path}: expected a map, got {type(value).__name__}")
+            return
+        for k, v in value.items():
+            check_annotation(v, args[1], f"{path}.{k}", found)
+        return
+    elif isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return check_trainer_model(value, annotation, path, found)
+    try:
+        pydantic.TypeAdapter(annotation).validate_python(value)
+    except pydantic.ValidationError as exc:
+        found.append(f"{path}: {exc.errors()[0]['msg']}, got {type(value).__name__} {value!r}")
+
+
+def check_trainer_model(value, cls, path, found):
+    if "actual_instance" in cls.model_fields:  # a oneOf wrapper: a str, or a number, ...
+        try:
+            cls.from_dict(value)
+        except ValueError:
+            kinds = sorted(cls.model_fields["one_of_schemas"].default)
+            found.append(f"{path}: expected one of {kinds} ({cls.__name__}), "
+                         f"got {type(value).__name__} {value!r}")
+        return
+    if not isinstance(value, dict):
+        found.append(f"{path}: expected an object ({cls.__name__}), got {type(value).__name__}")
+        return
+    fields = {info.alias or name: info for name, info in cls.model_fields.items()}
+    for json_name, child in value.items():
+        if json_name not in fields:
+            found.append(f"{path}.{json_name}: unknown field of {cls.__name__} "
+                         f"(known: {', '.join(sorted(fields))})")
+            continue
+        check_annotation(child, fields[json_name].annotation, f"{path}.{json_name}", found)
+    for json_name, info in fields.items():
+        if info.is_required() and json_name not in value:
+            found.append(f"{path}: missing required field `{json_name}` of {cls.__name__}")
