@@ -80,6 +80,25 @@ assert round(bubble(8, 8), 2) == 0.47 and bubble(8, 32) < 0.18
 assert abs(bubble(8, 8, v=4) - bubble(8, 32)) < 1e-12
 
 # %% [markdown]
+# Megatron-LM's papers and the Ultra-Scale Playbook write the bubble as `(p - 1) / m`. That is
+# not a different claim: it divides the same `p - 1` idle slots by the `m` slots of useful
+# compute, where the formula above divides them by the whole step, `m + p - 1`. With
+# `r = (p - 1) / m`, the share of the step is `r / (1 + r)`. When `m` is much larger than `p`
+# the two agree; at `p = m = 8` one says 88% on top of the compute, the other 47% of the step.
+# This course, and lab04's metrics, use the share of the step.
+
+# %%
+def bubble_over_compute(p, m, v=1):
+    """Idle time relative to the ideal compute time: Megatron-LM's and the Playbook's form."""
+    return (p - 1) / (v * m)
+
+
+for p, m in [(4, 4), (8, 8), (8, 32)]:
+    r = bubble_over_compute(p, m)
+    print(f"p={p}, m={m:>2}: idle / compute {r:.0%}, idle / step {bubble(p, m):.0%}")
+    assert abs(r / (1 + r) - bubble(p, m)) < 1e-12  # the same schedule, two denominators
+
+# %% [markdown]
 # Two ways to shrink it: more microbatches (for a fixed batch, smaller ones, so each kernel
 # does less work) or `v` thinner stages per rank (*interleaving*): the formula becomes
 # `(p - 1) / (v m + p - 1)`, the same as `v` times more microbatches, paid for with `v` times

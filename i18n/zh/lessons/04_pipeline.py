@@ -67,6 +67,20 @@ assert round(bubble(8, 8), 2) == 0.47 and bubble(8, 32) < 0.18
 assert abs(bubble(8, 8, v=4) - bubble(8, 32)) < 1e-12
 
 # %% [markdown]
+# Megatron-LM 的论文和 Ultra-Scale Playbook 把气泡写成 `(p - 1) / m`。这并不是另一种说法：它把同样的 `p - 1` 个空闲时间槽除以 `m` 个有效计算的时间槽，而上面的公式除以的是整步，即 `m + p - 1`。记 `r = (p - 1) / m`，则气泡占一步的比例是 `r / (1 + r)`。`m` 远大于 `p` 时两者几乎相等；`p = m = 8` 时，一个说在计算之外多出 88%，另一个说占一步的 47%。本课程和 lab04 的指标用的都是占一步的比例。
+
+# %%
+def bubble_over_compute(p, m, v=1):
+    """Idle time relative to the ideal compute time: Megatron-LM's and the Playbook's form."""
+    return (p - 1) / (v * m)
+
+
+for p, m in [(4, 4), (8, 8), (8, 32)]:
+    r = bubble_over_compute(p, m)
+    print(f"p={p}, m={m:>2}: idle / compute {r:.0%}, idle / step {bubble(p, m):.0%}")
+    assert abs(r / (1 + r) - bubble(p, m)) < 1e-12  # the same schedule, two denominators
+
+# %% [markdown]
 # 缩小气泡有两种办法：一是增加微批次数量（批次大小固定时，微批次随之变小，每个 kernel 的工作量也更少）；二是让每个 rank 承担 `v` 个更薄的阶段（*交错*）。后者的公式变为 `(p - 1) / (v m + p - 1)`，效果等同于把微批次数量增加到 `v` 倍，代价是发送次数也变为 `v` 倍。
 #
 # 零气泡调度更进一步，把反向拆成两部分：先算输入梯度，因为上一个阶段在等它；权重梯度留到后面算，用来填补空隙。
