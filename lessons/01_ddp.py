@@ -129,11 +129,18 @@ assert len(plain.read_text().splitlines()) < 50 and len(changed) < 35  # docstri
 #    the first order: [runbook](../runbooks/dataloader-same-order-every-epoch.md)).
 # 4. **Print and save on rank 0 only**, saving `model.module` so the keys have no `module.`
 #    prefix.
-# 5. **Start and destroy the group outside `main()`**, with `gc.collect()` in between. The DDP
-#    model holds the process group; if it is still alive when the group is destroyed, the rank
-#    can abort at exit with `terminate called without an active exception`. Returning from
-#    `main()` without the `gc.collect()` still did that in 2 of 12 runs here (reference cycles
-#    keep the model alive): [exit hang, cause D](../runbooks/exit-hang.md).
+# 5. **Destroy the group at the end** (`dist.destroy_process_group()`), once training is
+#    done, so every rank leaves the job cleanly.
+#
+# <details><summary>Why the script starts and destroys the group outside main()</summary>
+#
+# The DDP model holds the process group. If the model is still alive when the group is
+# destroyed, a gloo rank can abort at exit with
+# `terminate called without an active exception`. So the model lives inside `main()`, and `gc.collect()` runs after it returns and
+# before the group goes (reference cycles can keep the model alive; without the collect, 2 of
+# 12 runs here still aborted). The [exit-hang runbook, cause D](../runbooks/exit-hang.md) has
+# the drill.
+# </details>
 #
 # Both scripts, run for real: one process on the whole batch, two DDP ranks on half each.
 

@@ -107,7 +107,12 @@ assert len(plain.read_text().splitlines()) < 50 and len(changed) < 35  # docstri
 # 2. **用 `DistributedDataParallel` 包装模型**：它先把 rank 0 的权重 broadcast 给所有 rank，然后在 `backward()` 期间对梯度做 all-reduce。
 # 3. **让每个 rank 读不同的数据**：使用 `DistributedSampler`，每个 rank 的 batch 大小为 `BATCH // world_size`，并在每个 epoch 调用 `set_epoch(epoch)`（不调用的话，每个 epoch 都会重复第一个 epoch 的顺序，见[排障手册](../runbooks/dataloader-same-order-every-epoch.md)）。
 # 4. **只在 rank 0 上打印和保存**，保存的是 `model.module`，这样键名不会带 `module.` 前缀。
-# 5. **在 `main()` 之外创建和销毁进程组**，两者之间调用 `gc.collect()`。DDP 模型持有进程组；如果销毁进程组时模型还活着，该 rank 退出时可能报 `terminate called without an active exception` 并中止。在这里的测试中，只从 `main()` 返回而不调用 `gc.collect()`，12 次运行里仍有 2 次出现这个问题（引用环让模型一直存活），见[退出时卡死，原因 D](../runbooks/exit-hang.md)。
+# 5. **训练结束时销毁进程组**（`dist.destroy_process_group()`），让每个 rank 都干净地退出作业。
+#
+# <details><summary>为什么脚本在 main() 之外创建和销毁进程组</summary>
+#
+# DDP 模型持有进程组。如果销毁进程组时模型还活着，gloo 的 rank 退出时可能报 `terminate called without an active exception` 并中止。所以模型只存在于 `main()` 之内，它返回之后、销毁进程组之前再调用 `gc.collect()`（引用环可能让模型一直存活；不调用它时，这里 12 次运行中仍有 2 次中止）。[退出时卡死排障手册，原因 D](../runbooks/exit-hang.md) 里有对应的演练。
+# </details>
 #
 # 下面把两个脚本都实际跑一遍：一个进程处理整个 batch，两个 DDP rank 各处理一半。
 
