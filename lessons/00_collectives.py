@@ -341,6 +341,36 @@ print(f"last arrival after first: {max(arrived) - t0:.3f} s; "
 assert min(left) >= max(arrived)        # nobody left before the last rank arrived
 
 # %% [markdown]
+# ### Groups of ranks, and calls that return at once
+#
+# Every call above ran on the **default process group**, all 4 ranks, the one
+# `init_process_group` creates. A process group is just a set of ranks that talk together;
+# `dist.new_group(ranks)` makes another, and every collective takes `group=` to run on it
+# alone. Every rank must create every group, in the same order, even the ones it is not in.
+# Later lessons run one kind of traffic per group: FSDP's all-gathers inside one set of ranks,
+# tensor parallelism's inside another.
+#
+# Second, `async_op=True`: the call returns at once with a `Work` handle, the collective runs
+# in the background, and `work.wait()` blocks until the result is in the tensor. In between,
+# the rank can compute. This is how DDP overlaps its all-reduces with backward (lesson 01)
+# and FSDP its all-gathers with the previous block's compute (lessons 02 and 06).
+
+# %%
+groups = run_workers(cw.groups_and_async, WORLD_SIZE, timeout_s=60)
+for r, g in enumerate(groups):
+    a = g["async"]
+    print(f"rank {r}: group {g['group_ranks']} sums to {g['group_sum']:.0f} | all_reduce of 4 MiB "
+          f"returned after {a['issued_s'] * 1e3:.2f} ms, done after {a['done_s'] * 1e3:.1f} ms")
+assert [g["group_ranks"] for g in groups] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+assert [g["group_sum"] for g in groups] == [1, 1, 5, 5]     # 0 + 1 and 2 + 3: each pair alone
+assert all(g["async"]["sum_ok"] for g in groups)            # after wait(), the result is there
+
+# %% [markdown]
+# The times are this machine's, printed and not asserted: on a busy laptop a rank can be slow
+# even to issue the call. What is guaranteed is the order: read the tensor only after
+# `wait()`.
+
+# %% [markdown]
 # ### List forms and flat-buffer forms
 #
 # `all_gather` and `reduce_scatter` above take Python lists of n tensors. Both also have a

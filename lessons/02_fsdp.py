@@ -257,6 +257,32 @@ print(inspect.getsource(lab.apply_fsdp))
 print(inspect.getsource(lab.build_fsdp_model))
 
 # %% [markdown]
+# ### DeviceMesh: the ranks, arranged by axis
+#
+# `fully_shard` takes a `mesh`: a `DeviceMesh`, the ranks laid out in a grid with one process
+# group per axis (lesson 00's sub-groups, made for you). A 1-D mesh of 4 ranks is one group of
+# all 4, and FSDP shards over it. A 2 x 2 mesh with axes `("dp_replicate", "dp_shard")` has
+# rows and columns: FSDP shards within a row and replicates across rows (HSDP, below); lesson
+# 03 puts tensor parallelism on the second axis instead. Rank r sits at row r // 2,
+# column r % 2:
+
+# %%
+meshes = run_workers(fsdp_workers.mesh_axes, 4, timeout_s=120)
+for r, m in enumerate(meshes):
+    print(f"rank {r}: 1-D 'dp' group {m['dp']} | 2 x 2 at {m['coordinate']}: "
+          f"'dp_shard' group {m['dp_shard']}, 'dp_replicate' group {m['dp_replicate']}")
+for r, m in enumerate(meshes):
+    assert m["dp"] == [0, 1, 2, 3] and tuple(m["coordinate"]) == (r // 2, r % 2)
+    assert m["dp_shard"] == [2 * (r // 2), 2 * (r // 2) + 1]      # its row
+    assert m["dp_replicate"] == [r % 2, r % 2 + 2]                # its column
+
+# %% [markdown]
+# `init_device_mesh` creates each axis's groups with `new_group`, which in torch 2.13 does not
+# take the default group's timeout (30 minutes on gloo instead). The labs build their mesh
+# with the kit's `init_mesh()`, which passes it: see the
+# [collective-timeout runbook](../runbooks/collective-timeout.md).
+
+# %% [markdown]
 # Filling the shards: `init_sharded_weights` computes each full parameter once (the same
 # values a single process would draw) and copies this rank's slice. That costs one full
 # parameter of transient memory and no communication; the alternatives (scatter from rank 0

@@ -147,6 +147,30 @@ def run_flat_forms(rank, world_size, numel):
             "old_name_warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
 
 
+# ---- groups of ranks, and a collective left running ----------------------------------------
+def groups_and_async(rank, world_size, numel=2**20):
+    """Two sub-groups of 2 ranks each, an all-reduce inside each; then an all-reduce issued
+    with async_op=True, a matmul while it runs, and the wait. Needs world_size 4."""
+    # Every rank creates every group, in the same order, even the groups it is not in.
+    # new_group does not take the default group's timeout: pass one (runbooks: collective-timeout).
+    timeout = datetime.timedelta(seconds=60)
+    pairs = [dist.new_group([0, 1], timeout=timeout), dist.new_group([2, 3], timeout=timeout)]
+    mine = pairs[rank // 2]
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x, group=mine)                     # only the 2 ranks of `mine` take part
+    out = {"group_ranks": dist.get_process_group_ranks(mine), "group_sum": x.item()}
+
+    big = torch.full((numel,), float(rank))
+    start = time.perf_counter()
+    work = dist.all_reduce(big, async_op=True)         # returns at once, with a handle
+    issued = time.perf_counter()
+    torch.randn(256, 256) @ torch.randn(256, 256)      # this rank's own work meanwhile
+    work.wait()                                        # now `big` holds the sum
+    out["async"] = {"issued_s": issued - start, "done_s": time.perf_counter() - start,
+                    "sum_ok": bool(torch.all(big == sum(range(world_size))))}
+    return out
+
+
 # ---- bytes each rank puts on the wire -----------------------------------------------------
 def bytes_written():
     """Bytes this process has written so far, sockets included (Linux's /proc/self/io

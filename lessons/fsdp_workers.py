@@ -97,6 +97,18 @@ STRATEGY_ARGS = {
 }
 
 
+def mesh_axes(rank, world_size):
+    """This rank's group on each axis: a 1-D mesh of every rank, and a 2 x (world_size / 2)
+    mesh with axes ("dp_replicate", "dp_shard"), with its coordinate in the second."""
+    flat = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    grid = init_device_mesh("cpu", (2, world_size // 2),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    groups = {axis: dist.get_process_group_ranks(grid.get_group(axis))
+              for axis in grid.mesh_dim_names}
+    return {"dp": dist.get_process_group_ranks(flat.get_group("dp")), **groups,
+            "coordinate": grid.get_coordinate()}
+
+
 def measure_strategies(rank, world_size, names=tuple(STRATEGY_ARGS)):
     """For each strategy: bytes of params, grads and optimizer state this rank holds after one
     optimizer step, and bytes of full-size params held between forward and backward."""

@@ -269,6 +269,26 @@ print(f"last arrival after first: {max(arrived) - t0:.3f} s; "
 assert min(left) >= max(arrived)        # nobody left before the last rank arrived
 
 # %% [markdown]
+# ### rank 组，以及立即返回的调用
+#
+# 上面的每次调用都在**默认进程组**上进行，也就是 `init_process_group` 创建的、包含全部 4 个 rank 的那个组。进程组就是一组相互通信的 rank；`dist.new_group(ranks)` 可以再建一个，每个集合通信都接受 `group=` 参数，只在这个组内进行。每个 rank 都必须按相同的顺序创建每一个组，包括自己不在其中的组。后面几课会让每种通信各走一个组：FSDP 的 all-gather 在一组 rank 内进行，张量并行的在另一组内进行。
+#
+# 其次是 `async_op=True`：调用立即返回一个 `Work` 句柄，集合通信在后台进行，`work.wait()` 会阻塞，直到结果写进张量。在这之间，rank 可以去做计算。DDP 就是这样让 all-reduce 与反向传播重叠的（第 01 课），FSDP 也是这样让 all-gather 与上一个块的计算重叠的（第 02 课和第 06 课）。
+
+# %%
+groups = run_workers(cw.groups_and_async, WORLD_SIZE, timeout_s=60)
+for r, g in enumerate(groups):
+    a = g["async"]
+    print(f"rank {r}: group {g['group_ranks']} sums to {g['group_sum']:.0f} | all_reduce of 4 MiB "
+          f"returned after {a['issued_s'] * 1e3:.2f} ms, done after {a['done_s'] * 1e3:.1f} ms")
+assert [g["group_ranks"] for g in groups] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+assert [g["group_sum"] for g in groups] == [1, 1, 5, 5]     # 0 + 1 and 2 + 3: each pair alone
+assert all(g["async"]["sum_ok"] for g in groups)            # after wait(), the result is there
+
+# %% [markdown]
+# 这些时间是本机的测量值，只打印，不做断言：笔记本电脑繁忙时，某个 rank 甚至连发出调用都会慢。能保证的是顺序：只有在 `wait()` 之后才能读这个张量。
+
+# %% [markdown]
 # ### 列表形式与扁平缓冲区形式
 #
 # 上面的 `all_gather` 和 `reduce_scatter` 接受由 n 个张量组成的 Python 列表。两者还各有一种扁平缓冲区形式，读写一个 n 倍大小的连续张量，可以省去拷贝，FSDP 用的就是这种形式。在 torch 2.13 中，它们叫 `dist.all_gather_single` 和 `dist.reduce_scatter_single`（旧名字会发出警告；见下面的折叠框）。

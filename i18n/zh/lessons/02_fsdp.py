@@ -217,6 +217,24 @@ print(inspect.getsource(lab.apply_fsdp))
 print(inspect.getsource(lab.build_fsdp_model))
 
 # %% [markdown]
+# ### DeviceMesh：按轴排列的 rank
+#
+# `fully_shard` 接受一个 `mesh` 参数，即 `DeviceMesh`：把 rank 排成网格，每个轴对应一个进程组（也就是第 00 课的子组，由它替你创建）。4 个 rank 的一维网格就是包含全部 4 个 rank 的一个组，FSDP 在它上面分片。轴为 `("dp_replicate", "dp_shard")` 的 2 x 2 网格有行有列：FSDP 在一行之内分片，在各行之间复制（即下文的 HSDP）；第 03 课则在第二个轴上放张量并行。rank r 位于第 r // 2 行、第 r % 2 列：
+
+# %%
+meshes = run_workers(fsdp_workers.mesh_axes, 4, timeout_s=120)
+for r, m in enumerate(meshes):
+    print(f"rank {r}: 1-D 'dp' group {m['dp']} | 2 x 2 at {m['coordinate']}: "
+          f"'dp_shard' group {m['dp_shard']}, 'dp_replicate' group {m['dp_replicate']}")
+for r, m in enumerate(meshes):
+    assert m["dp"] == [0, 1, 2, 3] and tuple(m["coordinate"]) == (r // 2, r % 2)
+    assert m["dp_shard"] == [2 * (r // 2), 2 * (r // 2) + 1]      # its row
+    assert m["dp_replicate"] == [r % 2, r % 2 + 2]                # its column
+
+# %% [markdown]
+# `init_device_mesh` 用 `new_group` 创建每个轴的进程组，而在 torch 2.13 中它不会继承默认进程组的超时（在 gloo 上变成 30 分钟）。各实验用工具包中的 `init_mesh()` 构建网格，它会显式传入超时：见[集合通信超时](../runbooks/collective-timeout.md)。
+
+# %% [markdown]
 # 填充分片：`init_sharded_weights` 把每个完整参数计算一次（与单进程抽取的值相同），然后复制本 rank 的切片。代价是一个完整参数大小的临时内存，不需要任何通信；其他做法（用 `distribute_tensor` 从 rank 0 分发，或从 DCP 检查点加载分片）在它的 docstring 中有讨论。
 #
 # ### 实测：每个 rank 持有的字节数
