@@ -1,0 +1,185 @@
+"""The graded exercises (exercises/): each grader passes its reference solution, fails the
+untouched stub with a message naming the function to write (no traceback), fails every file
+in exercises/wrong/ and names its mistake, refuses bad input in one line with exit status 2
+before any rank starts, and stops a hang. Every grade run is a subprocess with a timeout and
+must take under a minute; its wall time is printed (pytest -s shows it)."""
+
+import ast
+import re
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXERCISES = REPO / "exercises"
+GRADE = EXERCISES / "grade.py"
+NAMES = tuple(runpy.run_path(str(EXERCISES / "grading" / "__init__.py"))["EXERCISES"])
+MAX_WALL_S = 60
+# What an untouched stub's NotImplementedError must name: the first function to write.
+STUB_FUNCTIONS = {"ddp": "implement HandDDP.__init__",
+                  "zero1": "implement ZeroOneOptimizer.__init__"}
+# exercises/wrong/<file> -> what the grader's output must say about its mistake
+MISTAKES = {
+    "ddp_averaged_twice.py": "averaged twice? your grads are 0.50x the reference",
+    "ddp_hooks_frozen_params.py": "a frozen parameter? skip parameters with requires_grad=False",
+    "ddp_missing_wait.py": "did it wait for the all-reduce and copy the result back?",
+    "ddp_no_broadcast.py": "broadcast rank 0's parameters and buffers in the constructor",
+    "ddp_no_overlap.py": "none of 5 all-reduces was launched during backward",
+    "ddp_tied_weight_twice.py": "only embed.weight is wrong (0.50x the reference): the tied weight",
+    "zero1_no_broadcast.py": "broadcast each updated shard from its owner after step()",
+    "zero1_no_sharding.py": "every rank updates the whole model (no sharding)",
+    "zero1_uneven_split.py": "does your split drop the remainder (8 params over 3 ranks)?",
+    "zero1_weight_decay_everywhere.py": "only the weight_decay=0.0 group differs",
+    "zero1_zero_grad_own_shard.py": "zero every parameter's grad, not only your shard's",
+}
+WRONG = sorted((EXERCISES / "wrong").glob("*.py"))
+README = (EXERCISES / "README.md").read_text()
+
+
+def grade(*args, timeout=120):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(GRADE), *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    wall = time.monotonic() - start
+    print(f"grade.py {' '.join(map(str, args))}: {wall:.1f} s, exit {proc.returncode}")
+    return proc, wall
+
+
+def exercise_of(wrong_path):
+    """exercises/wrong/<exercise>_<mistake>.py -> <exercise>"""
+    return max((n for n in NAMES if wrong_path.name.startswith(f"{n}_")), key=len, default=None)
+
+
+def check_lines(stdout):
+    return [line for line in stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_solution_passes(name):
+    proc, wall = grade(name, EXERCISES / "solutions" / f"{name}.py")
+    lines = check_lines(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert lines and all(line.startswith("PASS") for line in lines), proc.stdout
+    assert proc.stdout.rstrip().endswith(f"verdict: {len(lines)}/{len(lines)} checks passed")
+    for line in lines:  # the README lists every check by its name
+        assert re.split(r"\s{2,}", line)[1] in README, line
+    assert wall < MAX_WALL_S
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_untouched_stub_fails_naming_the_function(name):
+    proc, wall = grade(name)  # no path: the learner's copy, exercises/<name>.py
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
+    assert f"grading exercises/{name}.py" in proc.stdout
+    first = check_lines(proc.stdout)[0]
+    assert first.startswith("FAIL") and "NotImplementedError" in first, first
+    assert STUB_FUNCTIONS[name] in first, first
+    assert all(line.startswith("FAIL") for line in check_lines(proc.stdout))
+    assert "Traceback" not in output
+    if name == "ddp":
+        assert first in README  # the README shows this very line
+    assert wall < MAX_WALL_S
+
+
+def test_every_wrong_solution_has_its_mistake_named():
+    assert [path.name for path in WRONG] == sorted(MISTAKES)
+    for path in WRONG:
+        docstring = ast.get_docstring(ast.parse(path.read_text()))
+        assert docstring and "\n" not in docstring, f"{path.name}: one-line docstring"
+        assert exercise_of(path), path.name
+    for name in NAMES:  # at least two mistakes per exercise
+        assert sum(exercise_of(path) == name for path in WRONG) >= 2, name
+
+
+@pytest.mark.parametrize("path", WRONG, ids=[path.name for path in WRONG])
+def test_wrong_solution_fails_and_the_output_names_the_mistake(path):
+    proc, wall = grade(exercise_of(path), path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
+    assert MISTAKES[path.name] in proc.stdout, proc.stdout
+    assert "Traceback" not in output
+    if path.name == "ddp_averaged_twice.py":  # the README shows its first failures
+        assert all(line in README for line in check_lines(proc.stdout)[1:3])
+    assert wall < MAX_WALL_S
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+REFUSALS = {
+    "unknown exercise": (lambda tmp: ["fsdp9"], "unknown exercise 'fsdp9'; choose one of: ddp"),
+    "missing file": (lambda tmp: ["ddp", tmp / "nope.py"], "no such file:"),
+    "does not import": (lambda tmp: ["ddp", write(tmp / "broken.py", "import torch\n1 / 0\n")],
+                        "could not import"),
+    "lacks the contract": (lambda tmp: ["zero1", write(tmp / "empty.py", "import torch\n")],
+                           "does not define make_zero1, local_optimizer"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_bad_input_is_refused_in_one_line(case, tmp_path):
+    make_args, expected = REFUSALS[case]
+    proc, _ = grade(*make_args(tmp_path), timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""  # refused before any rank (no header, no check line)
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert expected in proc.stderr, proc.stderr
+    if case == "does not import":
+        assert "ZeroDivisionError: division by zero" in proc.stderr
+
+
+# The head of a solution that is the reference, but for its finish_gradient_sync.
+REFERENCE_DDP = f"""
+import importlib.util
+import torch
+import torch.distributed as dist
+path = {str(EXERCISES / "solutions" / "ddp.py")!r}
+spec = importlib.util.spec_from_file_location("reference_ddp", path)
+reference = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reference)
+make_ddp = reference.make_ddp
+"""
+
+
+def test_a_hang_is_stopped_and_named(tmp_path):
+    hang = write(tmp_path / "hang.py", REFERENCE_DDP + """
+def finish_gradient_sync(wrapper):
+    reference.finish_gradient_sync(wrapper)
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # a collective rank 1 never joins
+""")
+    proc, wall = grade("ddp", hang, "--timeout", "3")
+    lines = check_lines(proc.stdout)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert lines[0].startswith("PASS")  # construction calls no finish_gradient_sync
+    assert lines[1].startswith("FAIL  grads equal one process (per-parameter)"), lines[1]
+    assert "stopped after 3 s, rank 0 never finished it: a hang" in lines[1]
+    assert "not run: the grader stopped at the check above" in lines[2]
+    assert wall < 30
+
+
+def test_a_crash_on_one_rank_names_the_rank_and_grading_goes_on(tmp_path):
+    crash = write(tmp_path / "crash.py", REFERENCE_DDP + """
+def finish_gradient_sync(wrapper):
+    if dist.get_rank() == 1 and len(wrapper.buckets) == 2:  # the 8 KiB runs only
+        raise ValueError("rank 1 gave up")
+    reference.finish_gradient_sync(wrapper)
+""")
+    proc, wall = grade("ddp", crash)
+    lines = check_lines(proc.stdout)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failing = [line for line in lines if line.startswith("FAIL")]
+    assert [line.split("  ")[1] for line in failing] == [
+        "grads equal one process (buckets of 8 KiB)", "one all-reduce per bucket",
+        "params equal one process after 5 SGD steps"], proc.stdout
+    assert ("rank 1: your code raised ValueError: rank 1 gave up [finish_gradient_sync"
+            in failing[0]), failing[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert wall < MAX_WALL_S
