@@ -109,8 +109,38 @@ def test_a_lesson_translation_must_keep_every_code_cell(tmp_path, monkeypatch):
     monkeypatch.setattr(i18n, "ZH", zh_root)
     text = english.read_text()
     code_line = next(line for line in text.splitlines() if line.startswith("import "))
-    target.write_text(text.replace(code_line, code_line + "  # changed", 1))
+    target.write_text(text.replace(code_line, code_line + "  # 注释译成中文", 1))
+    assert i18n.problems_of(target) == []  # a translated comment is not a code change
+    target.write_text(text.replace(code_line, code_line + ", json", 1))
     assert any("code differs" in p for p in i18n.problems_of(target))
+
+
+@pytest.mark.parametrize("english,chinese,same", [
+    ("x = f(1)  # one\n", "x = f(1)  # 一\n", True),
+    ("# a two-line\n# comment\ny = 2\n", "# 一行注释\ny = 2\n", True),
+    ("s = '# not a comment'\n", "s = '# 不是注释'\n", False),   # strings stay verbatim
+    ("x = f(1)\n", "x = f(2)\n", False),
+])
+def test_python_code_is_compared_with_its_comments_set_aside(english, chinese, same):
+    assert (i18n.python_code(english) == i18n.python_code(chinese)) is same
+
+
+@pytest.mark.parametrize("english,chinese,same", [
+    ("make course   # runs every lab\n", "make course   # 运行每个实验\n", True),
+    ("# first\nmake test\n", "# 先运行\nmake test\n", True),
+    ("curl http://x/#top\n", "curl http://x/#顶部\n", False),     # a # inside a word is code
+    ("echo '# kept'\n", "echo '# 保留'\n", False),               # so is a quoted one
+    ("torchrun --nproc-per-node 2 x.py\n", "torchrun --nproc-per-node 4 x.py\n", False),
+])
+def test_shell_code_is_compared_with_its_comments_set_aside(english, chinese, same):
+    assert (i18n.shell_code(english) == i18n.shell_code(chinese)) is same
+
+
+def test_a_fenced_block_in_another_language_stays_verbatim():
+    english, chinese = "```text\nstep 1 # done\n```", "```text\nstep 1 # 完成\n```"
+    assert i18n.code_block_key(english) != i18n.code_block_key(chinese)
+    python = "```python title=\"self-check 4.1\"\nassert x  # why\n```"
+    assert i18n.code_block_key(python) == i18n.code_block_key(python.replace("why", "为什么"))
 
 
 def test_sources_file_lists_only_pages_that_exist():

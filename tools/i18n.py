@@ -10,6 +10,8 @@ docstring, which the lab's page shows), and tools/templates/x.md (the prose of a
 A translation must keep what people grep for and what the site links to: every fenced code
 block and every inline code span, every link target, and the heading structure (the Chinese
 headings get the English anchors at build time, so links into a page work in both languages).
+Code is compared with its comments set aside (Python and shell: code, flags and strings stay
+verbatim, the `#` comments are translated); other blocks (output, YAML) stay verbatim.
 It must use the glossary's terms (i18n/zh/terms.yml), not the variants it lists as avoided.
 
 i18n/zh/sources.json records, per Chinese page, the sha256 of the English source it was
@@ -24,9 +26,11 @@ Usage:
 
 import ast
 import hashlib
+import io
 import json
 import re
 import sys
+import tokenize
 from collections import Counter
 from pathlib import Path
 
@@ -107,11 +111,61 @@ def without_fences(text):
     return FENCE.sub("", text)
 
 
+COMMENTED = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "shell": "shell"}
+
+
+def python_code(source):
+    """Python source with its comments set aside: comments, blank lines and trailing spaces
+    dropped, everything else (code, strings) as it is. Unparsable source stays whole."""
+    try:
+        comments = [token.start for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if token.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError):
+        return source
+    lines = source.splitlines()
+    for row, col in comments:
+        lines[row - 1] = lines[row - 1][:col]
+    return "\n".join(line.rstrip() for line in lines if line.strip())
+
+
+def shell_code(source):
+    """A shell block with its comments set aside: a # that starts a word outside quotes ends
+    the line's code (so a URL's #anchor or a quoted # stays)."""
+    kept = []
+    for line in source.splitlines():
+        quote = None
+        for i, char in enumerate(line):
+            if quote:
+                quote = None if char == quote else quote
+            elif char in "'\"":
+                quote = char
+            elif char == "#" and (i == 0 or line[i - 1].isspace()):
+                line = line[:i]
+                break
+        if line.strip():
+            kept.append(line.rstrip())
+    return "\n".join(kept)
+
+
+def code_block_key(block):
+    """What of a fenced block a translation must keep: its opening line, and its body with the
+    comments set aside where the language has them."""
+    opening, _, rest = block.partition("\n")
+    body = rest.rsplit("\n", 1)[0] if "\n" in rest else ""
+    words = opening.strip().lstrip("`~").split()
+    kind = COMMENTED.get(words[0] if words else "")
+    if kind == "python":
+        body = python_code(body)
+    elif kind == "shell":
+        body = shell_code(body)
+    return opening.strip() + "\n" + body
+
+
 def structure(text):
     """What a translation keeps: fenced blocks (in order), inline code spans and link targets
     (as multisets: Chinese word order may move them), heading levels (in order)."""
     prose = without_fences(text)
-    return {"code blocks": [m.group(0).strip() for m in FENCE.finditer(text)],
+    return {"code blocks": [code_block_key(m.group(0).strip()) for m in FENCE.finditer(text)],
             "code spans": Counter(m.group(0) for m in CODE_SPAN.finditer(prose)),
             "links": Counter(LINK.findall(CODE_SPAN.sub("", prose))),
             "placeholders": Counter(PLACEHOLDER.findall(CODE_SPAN.sub("", prose))),
@@ -154,8 +208,8 @@ def lesson_problems(english, chinese):
         return ["the cells differ from the English lesson's (same cells, same order)"]
     problems = []
     for i, ((kind, a), (_, b)) in enumerate(zip(ours, theirs), 1):
-        if kind == "code" and a != b:
-            problems.append(f"cell {i}: code differs from the English lesson's")
+        if kind == "code" and python_code(a) != python_code(b):
+            problems.append(f"cell {i}: code differs from the English lesson's (comments aside)")
         elif kind == "markdown":
             problems += [f"cell {i}: {p}" for p in markdown_problems(a, b)]
     return problems

@@ -91,7 +91,8 @@ def terms_section():
 # --- lessons -----------------------------------------------------------------------------
 
 def zh_notebook(lesson, english_notebook):
-    """The English executed notebook with the Chinese markdown cells: same code, same outputs."""
+    """The English executed notebook with the Chinese cells: the same code (its comments
+    translated: tools/i18n.py checks that only they differ) and the same outputs."""
     import jupytext
 
     chinese = jupytext.read(i18n.zh_path(Path(lesson))).cells
@@ -101,8 +102,7 @@ def zh_notebook(lesson, english_notebook):
         raise ValueError(f"{i18n.zh_path(Path(lesson)).relative_to(ROOT)}: its cells are not the "
                          "English lesson's (tools/i18n.py check)")
     for cell, translated in zip(cells, chinese):
-        if cell["cell_type"] == "markdown":
-            cell["source"] = translated.source
+        cell["source"] = translated.source  # prose, and code with its comments translated
     target = EXECUTED_ZH_ROOT / "lessons" / Path(english_notebook).name
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(notebook, ensure_ascii=False, indent=1))
