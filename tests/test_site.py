@@ -121,8 +121,13 @@ def test_every_page_switches_to_the_same_page_in_the_other_language(site, editio
 
 
 def code_and_outputs(notebook_path):
+    """Each code cell's code, its comments set aside (the Chinese cells translate theirs), and
+    its outputs."""
+    import i18n  # tools/i18n.py
+
     cells = json.loads(notebook_path.read_text())["cells"]
-    return [(c["source"], c.get("outputs")) for c in cells if c["cell_type"] == "code"]
+    return [(i18n.python_code("".join(c["source"])), c.get("outputs"))
+            for c in cells if c["cell_type"] == "code"]
 
 
 def heading_ids(page):
@@ -134,8 +139,9 @@ LESSONS = sorted(p.stem for p in (REPO / "lessons").glob("[0-9][0-9]_*.py"))
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_a_chinese_lesson_has_the_english_code_outputs_and_anchors(site, lesson):
-    """Executed once: the Chinese lesson is the English notebook with translated prose, so
-    its code, outputs (plots included) and heading anchors are the English page's."""
+    """Executed once: the Chinese lesson is the English notebook with translated prose and
+    comments, so its code, outputs (plots included) and heading anchors are the English
+    page's."""
     english_nb = REPO / "build" / "executed" / "lessons" / f"{lesson}.ipynb"
     chinese_nb = REPO / "build" / "executed-zh" / "lessons" / f"{lesson}.ipynb"
     assert code_and_outputs(english_nb) == code_and_outputs(chinese_nb)

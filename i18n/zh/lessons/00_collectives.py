@@ -52,13 +52,13 @@ print("torch", torch.__version__, "| CUDA GPUs:", torch.cuda.device_count())
 # %%
 num_params, bytes_per_grad, n = 1_000_000_000, 4, 8
 grad_bytes = num_params * bytes_per_grad
-naive_rank0 = (n - 1) * grad_bytes              # rank 0 receives this much, then sends as much
-ring_per_rank = 2 * (n - 1) / n * grad_bytes    # every rank sends this much, and receives as much
+naive_rank0 = (n - 1) * grad_bytes              # rank 0 先收这么多，再发同样多
+ring_per_rank = 2 * (n - 1) / n * grad_bytes    # 每个 rank 发这么多，也收同样多
 print(f"gradients: {grad_bytes / 1e9:.0f} GB | through rank 0: rank 0 receives "
       f"{naive_rank0 / 1e9:.0f} GB and sends {naive_rank0 / 1e9:.0f} GB | "
       f"ring: every rank sends {ring_per_rank / 1e9:.0f} GB and receives as much")
 assert grad_bytes == 4e9 and naive_rank0 == 28e9 and ring_per_rank == 7e9
-# The busiest rank moves n/2 times fewer bytes with the ring, and the gap grows with n.
+# 用环时，最忙的 rank 的传输量降为 2/n，n 越大差距越大。
 assert naive_rank0 / ring_per_rank == n / 2
 
 # %% [markdown]
@@ -88,11 +88,11 @@ for v in views:
     print(f"rank {v['rank']} of {v['world_size']} | pid {v['pid']} | backend {v['backend']} | "
           f"env {v['env']} | pids read from the store {v['pids_seen']}")
 pids = [v["pid"] for v in views]
-assert len(set(pids)) == 4                                   # four separate processes
+assert len(set(pids)) == 4                                   # 四个独立的进程
 assert [int(v["env"]["RANK"]) for v in views] == [v["rank"] for v in views] == [0, 1, 2, 3]
 assert all(v["world_size"] == 4 and v["env"]["WORLD_SIZE"] == "4" for v in views)
-assert all(v["pids_seen"] == pids for v in views)            # everyone met in the store
-assert len({v["env"]["MASTER_PORT"] for v in views}) == 1    # one address for all ranks
+assert all(v["pids_seen"] == pids for v in views)            # 所有 rank 都在 store 里会合过
+assert len({v["env"]["MASTER_PORT"] for v in views}) == 1    # 所有 rank 用同一个地址
 
 # %% [markdown]
 # ### 后端：CUDA 张量用 NCCL，CPU 张量用 gloo
@@ -101,8 +101,8 @@ assert len({v["env"]["MASTER_PORT"] for v in views}) == 1    # one address for a
 
 # %%
 sys.path.insert(0, str(ROOT / "labs"))
-import lab01_ddp as lab01  # noqa: E402  defines functions only: nothing runs at import
-print(inspect.getsource(lab01.pick_device_type))  # from its kit, labs/labkit/runtime.py
+import lab01_ddp as lab01  # noqa: E402  只定义函数：导入时什么都不执行
+print(inspect.getsource(lab01.pick_device_type))  # 来自它的工具包：labs/labkit/runtime.py
 print(inspect.getsource(lab01.init_distributed))
 assert '"nccl"' in inspect.getsource(lab01.init_distributed)
 assert '"gloo"' in inspect.getsource(lab01.init_distributed)
@@ -137,12 +137,12 @@ cw.draw_ranks("ring all-reduce, 4 ranks: what each rank holds after each step",
               [(label, rows, "digits") for label, rows in zip(labels, trace)])
 plt.show()
 
-assert len(trace) == 1 + 2 * 3                               # 2(n-1) steps
+assert len(trace) == 1 + 2 * 3                               # 2(n-1) 步
 after_reduce_scatter = trace[3]
-for r in range(4):  # rank r owns the complete chunk (r + 1) % n after phase 1 ...
+for r in range(4):  # 第 1 阶段结束后，rank r 持有完整的第 (r + 1) % n 块……
     assert after_reduce_scatter[r][(r + 1) % 4] == 1111
 assert all(torch.equal(row, torch.full((4,), 1111.0, dtype=torch.float64)) for row in trace[-1])
-for r, result in enumerate(ring):  # ... and the full result agrees with the library's
+for r, result in enumerate(ring):  # ……完整结果也与库函数的一致
     print(f"rank {r}: max |ring - dist.all_reduce| = {result['max_abs_diff']:.1e} (floats); "
           f"integers identical: {result['ints_equal']}; sent {result['bytes_sent']} B "
           f"of a {result['bytes_total']} B tensor")
@@ -168,7 +168,7 @@ for r, result in enumerate(ring):  # ... and the full result agrees with the lib
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
                 "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
                 "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0}
-# The all-reduce factor is exactly what the ring above sent, per byte of tensor:
+# all-reduce 的系数正好就是上面那个环的发送量（按张量每字节计）：
 assert BUSBW_FACTOR["all_reduce"](4) == ring[0]["bytes_sent"] / ring[0]["bytes_total"]
 for n in (2, 4, 8, 64):
     print(f"n={n:3d}: all-reduce busbw = algbw x {BUSBW_FACTOR['all_reduce'](n):.3f}")
@@ -266,7 +266,7 @@ plt.tight_layout()
 plt.show()
 print(f"last arrival after first: {max(arrived) - t0:.3f} s; "
       f"first departure after last arrival: {min(left) - max(arrived):.4f} s")
-assert min(left) >= max(arrived)        # nobody left before the last rank arrived
+assert min(left) >= max(arrived)        # 最后一个 rank 到达之前，谁也没有离开
 
 # %% [markdown]
 # ### rank 组，以及立即返回的调用
@@ -282,8 +282,8 @@ for r, g in enumerate(groups):
     print(f"rank {r}: group {g['group_ranks']} sums to {g['group_sum']:.0f} | all_reduce of 4 MiB "
           f"returned after {a['issued_s'] * 1e3:.2f} ms, done after {a['done_s'] * 1e3:.1f} ms")
 assert [g["group_ranks"] for g in groups] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-assert [g["group_sum"] for g in groups] == [1, 1, 5, 5]     # 0 + 1 and 2 + 3: each pair alone
-assert all(g["async"]["sum_ok"] for g in groups)            # after wait(), the result is there
+assert [g["group_sum"] for g in groups] == [1, 1, 5, 5]     # 0 + 1 和 2 + 3：每对各算各的
+assert all(g["async"]["sum_ok"] for g in groups)            # wait() 之后结果已就绪
 
 # %% [markdown]
 # 这些时间是本机的测量值，只打印，不做断言：笔记本电脑繁忙时，某个 rank 甚至连发出调用都会慢。能保证的是顺序：只有在 `wait()` 之后才能读这个张量。
@@ -308,7 +308,7 @@ assert all(g["async"]["sum_ok"] for g in groups)            # after wait(), the 
 print("flat all-gather used here:", cw.all_gather_single.__name__,
       "| flat reduce-scatter used here:", cw.reduce_scatter_single.__name__)
 flat_after = [results[r]["all_gather_flat"][1] for r in range(WORLD_SIZE)]
-assert all(torch.equal(a, torch.cat(initial)) for a in flat_after)       # same as the list form
+assert all(torch.equal(a, torch.cat(initial)) for a in flat_after)       # 与列表形式的结果相同
 flat_rs = [results[r]["reduce_scatter_flat"][1] for r in range(WORLD_SIZE)]
 assert all(torch.equal(flat_rs[i], column_sums[i:i + 1]) for i in range(WORLD_SIZE))
 warned = results[0]["old_name_warnings"]
@@ -330,10 +330,10 @@ else:
     for name in ("all_reduce", "all_gather", "reduce_scatter"):
         print(f"{name:15s} each rank sent {sent[0][name]:.3f} S | a ring sends "
               f"{BUSBW_FACTOR[name](n):.3f} S")
-    for per_rank in sent:  # within 1%: the rest is gloo's message headers
+    for per_rank in sent:  # 误差在 1% 以内：多出的是 gloo 的消息头
         assert abs(per_rank["all_reduce"] / BUSBW_FACTOR["all_reduce"](n) - 1) < 0.01
         assert abs(per_rank["all_gather"] / BUSBW_FACTOR["all_gather"](n) - 1) < 0.01
-        # gloo's reduce-scatter sends what its all-reduce sends: twice a ring reduce-scatter
+        # gloo 的 reduce-scatter 与它的 all-reduce 发送量相同：是环形 reduce-scatter 的两倍
         assert abs(per_rank["reduce_scatter"] / per_rank["all_reduce"] - 1) < 0.01
         assert per_rank["reduce_scatter"] > 1.9 * BUSBW_FACTOR["reduce_scatter"](n)
 
@@ -383,12 +383,12 @@ for r, view in enumerate(report["ranks"]):
 envs = [view["env"] for view in report["ranks"]]
 assert [e["RANK"] for e in envs] == ["0", "1"] and [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
 assert all(e["WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2" for e in envs)
-for key in ["MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"]:   # one rendezvous, shared
+for key in ["MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"]:   # 共用同一次 rendezvous
     assert envs[0][key] and envs[0][key] == envs[1][key], key
 shared_store = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
 assert all(e["TORCHELASTIC_USE_AGENT_STORE"] == str(shared_store) for e in envs)
 assert report["sum_of_ranks"] == 0 + 1
-expected_backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"   # the labs' rule
+expected_backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"   # 实验选后端的规则
 assert all(view["backend"] == expected_backend for view in report["ranks"])
 
 # %% [markdown]
@@ -406,18 +406,18 @@ sizes = [2 ** k for k in range(10, 25)]
 timing = run_workers(cw.time_all_reduce, n, sizes, timeout_s=120)[0]
 S = np.array([s for s, _ in timing], dtype=float)
 t = np.array([seconds for _, seconds in timing])
-A = np.stack([1 / t, S / t], axis=1)            # rows of (a + b*S) / t = 1
+A = np.stack([1 / t, S / t], axis=1)            # 每一行对应 (a + b*S) / t = 1
 (a, b), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
 print(f"latency term a = {a * 1e6:.1f} us, bandwidth term b = 1 / ({1 / b / 1e9:.2f} GB/s)")
 assert a > 0 and b > 0, (a, b)
 model = a + b * S
 r2 = 1 - np.sum(np.log(t / model) ** 2) / np.sum((np.log(t) - np.log(t).mean()) ** 2)
-busbw_fit = BUSBW_FACTOR["all_reduce"](n) / b    # bytes/s
+busbw_fit = BUSBW_FACTOR["all_reduce"](n) / b    # 字节/秒
 algbw = S / t
 busbw = algbw * BUSBW_FACTOR["all_reduce"](n)
 print(f"R^2 (log time) = {r2:.3f}; bus bandwidth from the fit = {busbw_fit / 1e9:.2f} GB/s; "
       f"the two terms are equal at S = a/b = {a / b / 1024:.0f} KiB")
-assert r2 > 0.7, r2    # a + b * S explains most of the variation of log(time)
+assert r2 > 0.7, r2    # a + b * S 解释了 log(time) 的大部分变化
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -434,7 +434,7 @@ ax2.set(xlabel="message size S (bytes)", ylabel="GB/s", title="bus bandwidth vs 
 ax2.legend(fontsize=7)
 plt.tight_layout()
 plt.show()
-# Small messages are latency-bound: far below the fitted bandwidth. Large ones approach it.
+# 小消息受延迟限制，远低于拟合出的带宽；大消息则接近它。
 assert busbw[0] < 0.5 * busbw_fit and busbw[-1] > busbw[0]
 
 # %% [markdown]

@@ -42,8 +42,8 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
 sys.path.insert(0, str(ROOT / "lessons"))
 sys.path.insert(0, str(ROOT / "labs"))
 
-import ddp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
-import lab01_ddp as lab  # noqa: E402  (the lab is importable: nothing runs at import)
+import ddp_workers  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
+import lab01_ddp as lab  # noqa: E402  （实验可以直接导入：导入时什么都不执行）
 from spawn import run_workers  # noqa: E402
 
 # %% [markdown]
@@ -57,7 +57,7 @@ from spawn import run_workers  # noqa: E402
 cfg = lab.parse_config([])
 model = lab.build_model(cfg)
 num_params = sum(p.numel() for p in model.parameters())
-grad_bytes = num_params * 4  # fp32 gradients
+grad_bytes = num_params * 4  # fp32 梯度
 for world_size in (2, 4, 8):
     sent = 2 * (world_size - 1) / world_size * grad_bytes
     print(f"world size {world_size}: {num_params:,} params -> {sent / 1e6:.2f} MB per rank per step")
@@ -80,8 +80,8 @@ by_hand = run_workers(ddp_workers.average_gradients_by_hand, 2)
 for rank, result in enumerate(by_hand):
     print(f"rank {rank}: |manual - DDP| = {result['manual_vs_ddp']:.1e}, "
           f"|manual - whole batch| = {result['manual_vs_whole_batch']:.1e}")
-assert all(r["manual_vs_ddp"] == 0.0 for r in by_hand)  # DDP does exactly this sum
-assert all(r["manual_vs_whole_batch"] < 1e-6 for r in by_hand)  # = full-batch gradient
+assert all(r["manual_vs_ddp"] == 0.0 for r in by_hand)  # DDP 做的正是这个求和
+assert all(r["manual_vs_whole_batch"] < 1e-6 for r in by_hand)  # = 整个 batch 的梯度
 
 # %% [markdown]
 # 结果与 DDP 逐位相同，与整个 batch 的梯度只差浮点舍入（约 1e-8）：因为两半大小相同，两个半 batch 均值的平均值*就是*整个 batch 的均值。数据并行的全部思想就在于此。
@@ -98,7 +98,7 @@ diff = list(difflib.unified_diff(plain.read_text().splitlines(), ddp.read_text()
                                  "train_plain.py", "train_ddp.py", lineterm="", n=1))
 print("\n".join(diff))
 changed = [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")]
-assert len(plain.read_text().splitlines()) < 50 and len(changed) < 35  # docstrings included
+assert len(plain.read_text().splitlines()) < 50 and len(changed) < 35  # 含 docstring
 
 # %% [markdown]
 # 撇开 docstring 不谈，可以把它看成五处改动：
@@ -140,7 +140,7 @@ assert plain_state.keys() == ddp_state.keys() and script_parity <= 1e-5
 # %%
 print(inspect.getsource(lab.apply_ddp))
 print(inspect.getsource(lab.gradient_sync))
-print(inspect.getsource(lab.train_step))  # from the kit: labs/labkit/loop.py
+print(inspect.getsource(lab.train_step))  # 来自工具包：labs/labkit/loop.py
 
 # %% [markdown]
 # ## 桶与 no_sync：数一数 all-reduce 的次数
@@ -176,8 +176,8 @@ first_cap = caps["first_bucket_cap"]
 assert first_cap == 2**20
 default, explicit = caps["sizes"]["default"], caps["sizes"]["explicit 25"]
 assert len(default) == 2 and len(explicit) == 1 and sum(default) == sum(explicit)
-# The first bucket closes as soon as it reaches 1 MiB: at most one parameter more than that.
-largest_param_256 = 256 * 4 * 256 * 4  # w1 or w3 at width 256: 1 MiB of fp32
+# 第一个桶一到 1 MiB 就封口：最多比它多出一个参数。
+largest_param_256 = 256 * 4 * 256 * 4  # 宽度 256 时的 w1 或 w3：1 MiB 的 fp32
 assert first_cap <= default[0] < first_cap + largest_param_256
 
 # %% [markdown]
@@ -291,7 +291,7 @@ assert result["sync_by_hand_vs_whole_batch"] < 1e-6
 # privateuseone`，所以下一个单元只在有 GPU 的环境中运行。
 
 # %%
-if torch.cuda.is_available():  # GPU only, not executed in CI (this machine has no GPU)
+if torch.cuda.is_available():  # 仅限 GPU，CI 中不执行（这台机器没有 GPU）
     sync_bn = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
         torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))).cuda()
     print(type(sync_bn[1]).__name__, "on", next(sync_bn.parameters()).device)
@@ -341,14 +341,14 @@ assert {d for d, _ in fp16["sent"]} == {"torch.float16"}
 # `torch.nn.DataParallel(model)` 用一个 Python 进程驱动所有 GPU。每一步，它都要把参数从 GPU 0 复制到其他 GPU，把 batch 切开分发出去，在多个线程中运行各个副本（这些线程共享 GIL），再把输出收集回 GPU 0，loss 也由 GPU 0 计算。GPU 0 上放的东西比其他 GPU 多，于是成为瓶颈；PyTorch 文档建议即使在单机上也使用 DDP。DDP 每块 GPU 一个进程，没有这些问题。下面的单元在有两块 GPU 的环境中，分别测量这两种方式各跑一步的耗时（仅限 GPU，CI 中不执行：在有人用 GPU 跑过之前，本页没有这组数字）：
 
 # %%
-if torch.cuda.device_count() >= 2:  # GPU only, not executed in CI
+if torch.cuda.device_count() >= 2:  # 仅限 GPU，CI 中不执行
     import time as _time
 
     gpu_model = lab.build_model(cfg).cuda()
     dp_model = torch.nn.DataParallel(gpu_model)
     tokens = torch.randint(0, cfg.vocab_size, (64, cfg.seq_len), device="cuda")
     for label, net in (("one GPU", gpu_model), ("DataParallel", dp_model)):
-        for attempt in range(3):  # the first call warms up
+        for attempt in range(3):  # 第一次调用用于预热
             torch.cuda.synchronize()
             t0 = _time.perf_counter()
             net(tokens).float().mean().backward()

@@ -42,8 +42,8 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
 sys.path.insert(0, str(ROOT / "lessons"))
 sys.path.insert(0, str(ROOT / "labs"))
 
-import fsdp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
-import lab02_fsdp as lab  # noqa: E402  (the lab is importable: nothing runs at import)
+import fsdp_workers  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
+import lab02_fsdp as lab  # noqa: E402  （实验可以直接导入：导入时什么都不执行）
 import memory_estimator as est  # noqa: E402
 from spawn import run_workers  # noqa: E402
 
@@ -56,7 +56,7 @@ from spawn import run_workers  # noqa: E402
 print(est.table(7_000_000_000, 8))
 ddp_7b = est.estimate_per_rank(7e9, 8, "ddp").total_bytes
 fsdp_7b = est.estimate_per_rank(7e9, 8, "fsdp").total_bytes
-assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 7B does not fit an 80 GB GPU under DDP
+assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 用 DDP 时，7B 装不进 80 GB 的 GPU
 
 # %% [markdown]
 # 7B 模型在 DDP 下每个 rank 需要 112 GB：还没存下任何激活值，就已经装不进 80 GB 的 GPU。分片到 8 个 rank 上（即 ZeRO-3，FSDP 实现的就是它）则只需 14 GB。
@@ -86,7 +86,7 @@ s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
 activations_70b = num_layers * s * b * h * (34 + 5 * a * s / h)
 print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
       f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
-assert 480 < activations_70b / 2**30 < 490  # ~485 GiB: 28x the state the table counts
+assert 480 < activations_70b / 2**30 < 490  # 约 485 GiB：是表中所列状态的 28 倍
 assert activations_70b > 25 * e70.total_bytes
 
 # %% [markdown]
@@ -152,8 +152,8 @@ def phases(events):
         elif kind == "post_backward_reduce":
             bars.append((unit, "reduce-scatter", start, end))
         elif kind in ("post_forward", "post_backward_reshard") and unit != "root":
-            bars.append((unit, "free", start, end))  # the root is kept whole: nothing freed
-    for unit in ("layers.0", "layers.1"):  # compute: between FSDP's hooks of that block
+            bars.append((unit, "free", start, end))  # 根模块保持完整：不释放
+    for unit in ("layers.0", "layers.1"):  # 计算：夹在该 block 的 FSDP hook 之间
         (_, fwd_start), = spans[f"FSDP::pre_forward ({unit})"]
         (fwd_end, _), = spans[f"FSDP::post_forward ({unit})"]
         (_, bwd_start), = spans[f"FSDP::pre_backward ({unit})"]
@@ -201,7 +201,7 @@ scattered = trace["wire_bytes"]["c10d._reduce_scatter_base_"]
 ddp_bytes = trace["ddp_wire_bytes"]
 print(f"all-gathers {gathered:,} B + reduce-scatter {scattered:,} B = {gathered + scattered:,} B "
       f"sent per rank; DDP's all-reduce {ddp_bytes:,.0f} B; ratio {(gathered + scattered) / ddp_bytes:.3f}")
-# Blocks are gathered twice (forward, backward), the root once; every gradient scattered once.
+# 各 block 被 gather 两次（前向、反向），根模块一次；每个梯度 scatter 一次。
 assert gathered == (n - 1) / n * (2 * (P - R) + R) and scattered == (n - 1) / n * P
 assert abs((gathered + scattered) / ddp_bytes - (1.5 - R / (2 * P))) < 1e-9
 
@@ -228,8 +228,8 @@ for r, m in enumerate(meshes):
           f"'dp_shard' group {m['dp_shard']}, 'dp_replicate' group {m['dp_replicate']}")
 for r, m in enumerate(meshes):
     assert m["dp"] == [0, 1, 2, 3] and tuple(m["coordinate"]) == (r // 2, r % 2)
-    assert m["dp_shard"] == [2 * (r // 2), 2 * (r // 2) + 1]      # its row
-    assert m["dp_replicate"] == [r % 2, r % 2 + 2]                # its column
+    assert m["dp_shard"] == [2 * (r // 2), 2 * (r // 2) + 1]      # 它所在的行
+    assert m["dp_replicate"] == [r % 2, r % 2 + 2]                # 它所在的列
 
 # %% [markdown]
 # `init_device_mesh` 用 `new_group` 创建每个轴的进程组，而在 torch 2.13 中它不会继承默认进程组的超时（在 gloo 上变成 30 分钟）。各实验用工具包中的 `init_mesh()` 构建网格，它会显式传入超时：见[集合通信超时](../runbooks/collective-timeout.md)。
@@ -244,7 +244,7 @@ for r, m in enumerate(meshes):
 # %%
 measured = {n: run_workers(fsdp_workers.measure_strategies, n, ("ddp", "zero3"), timeout_s=240)
             for n in (1, 2)}
-measured[4] = run_workers(fsdp_workers.measure_strategies, 4, timeout_s=240)  # + zero1, fsdp_no_reshard, hsdp
+measured[4] = run_workers(fsdp_workers.measure_strategies, 4, timeout_s=240)  # 另加 zero1、fsdp_no_reshard、hsdp
 shapes = measured[1][0]["param_shapes"]
 num_params = sum(torch.Size(s).numel() for s in shapes)
 
@@ -270,7 +270,7 @@ for n, ranks in measured.items():
 # FSDP 每个 rank 的状态等于 DDP 的除以 world size，而估算器与各 rank 实际持有的量相差在 5% 以内（多出的一点是 AdamW 的 `step` 计数器，每个参数张量一个 4 字节的标量）。这里看不到填充，因为这个模型的每个 dim 0 都能被 1、2、4 整除。不能整除时，FSDP2 会把每个分片填充到 `ceil(dim0 / N)` 行，于是每个 rank 都按最大的分片分配；给估算器传入 `shapes=` 即可把这部分算进去：
 
 # %%
-odd = [(50257, 4096), (3, 4096)]   # a GPT-2-sized vocabulary, and a tensor smaller than N
+odd = [(50257, 4096), (3, 4096)]   # GPT-2 大小的词表，以及一个比 N 还小的张量
 padded = est.estimate_per_rank(None, 64, "zero3", shapes=odd).params_bytes
 even = est.estimate_per_rank(sum(a * b for a, b in odd), 64, "zero3").params_bytes
 print(f"params per rank over 64 ranks: {padded:,d} B with padding, {even:,d} B if split evenly "
@@ -312,9 +312,9 @@ assert ws4[0]["zero1"]["params"] == full_bytes and ws4[0]["zero1"]["grads"] == f
 assert max(x["zero1"]["optimizer"] for x in ws4) < 0.3 * ws4[0]["ddp"]["optimizer"]
 assert ws4[0]["fsdp_no_reshard"]["params"] == ws4[0]["zero3"]["params"] == full_bytes // 4
 assert ws4[0]["fsdp_no_reshard"]["unsharded_after_forward"] == full_bytes
-# The estimator's "zero2" is the classic ZeRO-2: full parameters on every rank, all the time.
+# 估算器的 "zero2" 就是经典的 ZeRO-2：每个 rank 始终持有完整参数。
 assert est.estimate_per_rank(None, 4, "zero2", shapes=shapes).params_bytes == full_bytes
-assert ws4[0]["zero3"]["unsharded_after_forward"] < 0.1 * full_bytes   # only the root's params
+assert ws4[0]["zero3"]["unsharded_after_forward"] < 0.1 * full_bytes   # 只有根模块的参数
 print("HSDP layout of layers.0.attention.wq.weight:", ws4[0]["hsdp"]["layout"])
 
 # %% [markdown]
@@ -368,10 +368,10 @@ for label, r in rows.items():
           f"{r['first_step_s'] * 1e3:8.0f} ms{r['step_s'] * 1e3:6.1f} ms")
 base = rows["fp32 (default)"]
 gather = {label: r["wire_bytes"]["c10d._allgather_base_"] for label, r in rows.items()}
-assert all(r["state"] == base["state"] for r in rows.values())  # sharded state: always fp32
+assert all(r["state"] == base["state"] for r in rows.values())  # 分片的状态：始终是 fp32
 assert gather["--mixed-precision bf16"] * 2 == gather["fp32 (default)"] == gather["--amp bf16"]
 assert all(r["wire_bytes"]["c10d._reduce_scatter_base_"] == base["wire_bytes"]["c10d._reduce_scatter_base_"]
-           for r in rows.values())  # reduce_dtype fp32: gradients travel in fp32 in every row
+           for r in rows.values())  # reduce_dtype 为 fp32：每一行里梯度都以 fp32 传输
 assert rows["--amp bf16"]["dtypes"] == {"weight": "float32", "activation": "bfloat16"}
 assert rows["--mixed-precision bf16"]["dtypes"] == {"weight": "bfloat16", "activation": "bfloat16"}
 assert rows["--activation-checkpointing"]["saved_activation_bytes"] < base["saved_activation_bytes"] / 5
@@ -395,7 +395,7 @@ assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
 hsdp = run_workers(fsdp_workers.flag_matrix_row, 4, "--hsdp 2", timeout_s=300)[0]
 for key, sent in sorted(hsdp["wire_bytes_by_group"].items()):
     print(f"{key:40s} {sent:9,d} B per rank per step")
-shard_bytes = hsdp["state"]["grads"]  # the gradient shard this rank owns
+shard_bytes = hsdp["state"]["grads"]  # 本 rank 负责的梯度分片
 by_axis = hsdp["wire_bytes_by_group"]
 assert by_axis["dp_shard c10d._allgather_base_"] == gather["fp32 (default)"]
 assert by_axis["dp_shard c10d._reduce_scatter_base_"] == base["wire_bytes"]["c10d._reduce_scatter_base_"]
@@ -471,7 +471,7 @@ try:
 except ImportError as exc:
     hybrid_shard_exists = False
     print("ImportError:", exc)
-assert not hybrid_shard_exists  # there is no HybridShard class; HSDP is a 2D mesh
+assert not hybrid_shard_exists  # 没有 HybridShard 这个类；HSDP 是一个 2D 设备网格
 
 from torch.distributed.fsdp import ShardingStrategy  # noqa: E402
 
@@ -479,7 +479,7 @@ doc = " ".join(ShardingStrategy.__doc__.split())
 hybrid = doc[doc.index("``HYBRID_SHARD``"):].split(". ")[0]
 print(hybrid)
 assert "within a node, and replicate parameters across nodes" in hybrid
-assert "(Replicate(), Shard(dim=0))" in ws4[0]["hsdp"]["layout"][0]  # FSDP2: same idea, in a mesh
+assert "(Replicate(), Shard(dim=0))" in ws4[0]["hsdp"]["layout"][0]  # FSDP2 的同一思路：设备网格
 
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 

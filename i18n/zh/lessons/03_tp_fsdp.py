@@ -41,8 +41,8 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
 sys.path.insert(0, str(ROOT / "lessons"))
 sys.path.insert(0, str(ROOT / "labs"))
 
-import lab03_tp_fsdp as lab  # noqa: E402  (importable: nothing runs at import)
-import tp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+import lab03_tp_fsdp as lab  # noqa: E402  （可以直接导入：导入时什么都不执行）
+import tp_workers  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
 from labkit.probes import CommCounter  # noqa: E402
 from spawn import launch_lab, run_workers  # noqa: E402
 
@@ -76,7 +76,7 @@ def activation_gib(t, sequence_parallel):
 for t in (1, 8):
     print(f"t = {t}: {activation_gib(t, False):6.1f} GiB, "
           f"with SP {activation_gib(t, True):6.1f} GiB")
-assert activation_gib(1, False) > 80  # more than a whole 80 GB GPU, for activations alone
+assert activation_gib(1, False) > 80  # 仅激活值就超过一整张 80 GB 的 GPU
 assert activation_gib(8, True) < activation_gib(8, False) < activation_gib(1, False) / 5
 
 # %% [markdown]
@@ -86,7 +86,7 @@ assert activation_gib(8, True) < activation_gib(8, False) < activation_gib(1, Fa
 
 # %%
 t = 8
-tensor_bytes = s * b * h * 2  # one bf16 activation
+tensor_bytes = s * b * h * 2  # 一份 bf16 激活值
 tp_bytes_per_rank = num_layers * 4 * 2 * (t - 1) / t * tensor_bytes
 links = {"inside a node (~450 GB/s)": 450e9, "across nodes (~50 GB/s)": 50e9}
 for link, bytes_per_s in links.items():
@@ -108,11 +108,11 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), gridspec_kw={"width_ratios": [1, 2]})
 rank_colors = ["tab:blue", "tab:orange"]
-for r in range(2):  # A = fc1.weight, 16 x 8: rank r keeps output rows 8r .. 8r+7
+for r in range(2):  # A = fc1.weight，16 x 8：rank r 保留输出行 8r .. 8r+7
     axes[0].add_patch(plt.Rectangle((0, 8 * r), 8, 8, color=rank_colors[r], alpha=0.75))
     axes[0].text(4, 8 * r + 4, f"rank {r}\nrows {8 * r}-{8 * r + 7}", ha="center", va="center",
                  fontsize=11, color="white", fontweight="bold")
-    # B = fc2.weight, 8 x 16: rank r keeps input columns 8r .. 8r+7 (the same hidden units)
+    # B = fc2.weight，8 x 16：rank r 保留输入列 8r .. 8r+7（同一批隐藏单元）
     axes[1].add_patch(plt.Rectangle((8 * r, 0), 8, 8, color=rank_colors[r], alpha=0.75))
     axes[1].text(8 * r + 4, 4, f"rank {r}\ncolumns {8 * r}-{8 * r + 7}", ha="center",
                  va="center", fontsize=11, color="white", fontweight="bold")
@@ -141,7 +141,7 @@ for rank, r in enumerate(by_hand):
           f"{r['out_diff']:.1e}, dx {r['x_grad_diff']:.1e}, dA {r['a_grad_diff']:.1e}, "
           f"dB {r['b_grad_diff']:.1e}")
 for r in by_hand:
-    assert r["a_shape"] == r["b_shape"] == (8, 8)  # half of the 16 hidden units each
+    assert r["a_shape"] == r["b_shape"] == (8, 8)  # 每个 rank 各占 16 个隐藏单元的一半
     assert max(r["out_diff"], r["x_grad_diff"], r["a_grad_diff"], r["b_grad_diff"]) < 1e-6
 
 # %% [markdown]
@@ -161,9 +161,9 @@ for layout in placed[0]["local"]:
     for rank, r in enumerate(placed):
         print(f"  rank {rank} at (dp, tp) = {tuple(r['coordinate'])}: {r['local'][layout]}")
 two_d = [r["local"]["(Shard(0), Shard(1))"] for r in placed]
-assert two_d[3] == [[10.0, 11.0], [14.0, 15.0]]  # rank 3 = (dp 1, tp 1): bottom-right block
+assert two_d[3] == [[10.0, 11.0], [14.0, 15.0]]  # rank 3 = (dp 1, tp 1)：右下角那块
 replicated = [r["local"]["(Replicate(), Replicate())"] for r in placed]
-assert all(local == replicated[0] for local in replicated)  # every rank holds all 16 values
+assert all(local == replicated[0] for local in replicated)  # 每个 rank 都持有全部 16 个值
 
 # %% [markdown]
 # ## 使用 PyTorch：实验中的计划
@@ -201,7 +201,7 @@ for name, row in layout[0]["params"].items():
           f"{str(row['tp_local']):>10s}")
 wq = layout[0]["params"]["attention.wq.weight"]
 assert wq["global"] == (64, 64) and wq["tp_local"] == (32, 64) and wq["sharded_local"] == (16, 64)
-assert layout[0]["params"]["attention_norm.weight"]["tp_placements"] == "-"  # plain: not TP'd
+assert layout[0]["params"]["attention_norm.weight"]["tp_placements"] == "-"  # 普通参数：没有做 TP
 
 # %% [markdown]
 # `_StridedShard(dim=0, sf=2)` 是 FSDP 在说“我在 TP 切分的基础上，又把第 0 维切了一次”：dp 分片与 tp 分片交错排列，这样沿 `"dp"` 的 all-gather 恰好还原出 tp 本地的那些行。
@@ -219,7 +219,7 @@ for key, value in mistakes.items():
     print(f"{key}: {value}")
 small_mesh = [r["small_mesh_coordinate"] for r in per_rank]
 print("coordinates in a (1, 2) mesh on 4 ranks:", small_mesh)
-assert small_mesh[2] is None and small_mesh[3] is None  # ranks 2 and 3 are not in the mesh
+assert small_mesh[2] is None and small_mesh[3] is None  # rank 2 和 3 不在设备网格中
 assert mistakes["root_plan_warnings"] and not mistakes["root_plan_wq_is_dtensor"]
 assert "'attention.wq' matches no submodule of TinyLlama" in mistakes["guard"]
 assert "Cannot distribute a DTensor" in mistakes["fsdp_then_tp"]
@@ -252,7 +252,7 @@ for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
     dp = 4 // tp
     runs[tp, sp] = run_lab(4, "--tp", tp, "--batch-size", 4 * dp, "--steps", 2, "--check-parity",
                            "--count-comms", *(["--sequence-parallel"] if sp else []),
-                           torchrun=(tp, sp) == (1, False))  # the first, as you would run it
+                           torchrun=(tp, sp) == (1, False))  # 第一次照你平时的方式运行
 assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
 
 # %% [markdown]
@@ -272,8 +272,8 @@ def first_adamw_step(grad, lr=3e-3):
 for grad in (1e-2, 1e-6, 1e-7, 1e-8, 1e-12):
     print(f"g = {grad:.0e}: first step moves the weight by {first_adamw_step(grad):.1e}")
 assert abs(first_adamw_step(1e-2) - 3e-3) < 1e-7 and first_adamw_step(1e-6) > 2.9e-3
-assert abs(first_adamw_step(1e-8) - 1.5e-3) < 1e-5      # g = eps: half a step
-assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # far below eps: proportional to g
+assert abs(first_adamw_step(1e-8) - 1.5e-3) < 1e-5      # g = eps：半步
+assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # 远小于 eps：与 g 成正比
 
 # %% [markdown]
 # 所以一个 1e-7 的梯度分量（在多项求和中它可能只是舍入噪声）会让对应权重移动将近一整步，而换一种求和顺序（TP 的半和、3 个 rank 的 all-reduce）就可能翻转它的符号：这个权重最终与单进程运行相差最多 2 x 3e-3。
@@ -321,7 +321,7 @@ right.legend()
 plt.show()
 print("activation MiB, TP:", [f"{x:.2f}" for x in acts], "TP+SP:", [f"{x:.2f}" for x in acts_sp])
 params = [s["params"] for s in state]
-assert max(params) < 1.01 * min(params)  # 2D sharding: every mesh shape splits 4 ways
+assert max(params) < 1.01 * min(params)  # 2D 分片：每种设备网格形状都是 4 等分
 assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < acts[2]
 
 # %% [markdown]
@@ -384,15 +384,15 @@ assert tp_only(runs[2, True]["comm_counts_block0"]["backward"]) == {
 # 实测下来，每步、每个 rank 上唯一的区别，是 SP 额外对每个归一化层的权重梯度做的 all-reduce（这里有 5 个归一化层，每个 64 个 fp32 值；一般为 `2 x num_layers + 1` 个）：
 
 # %%
-defaults = lab.parse_config(["--tp", "1"])  # the model the runs above trained
-num_norms = 2 * defaults.num_layers + 1     # two per block, plus the final one
+defaults = lab.parse_config(["--tp", "1"])  # 上面几次运行训练的模型
+num_norms = 2 * defaults.num_layers + 1     # 每个 block 两个，外加最后一个
 for t in (2, 4):
     tp_bytes = wire_mib(runs[t, False], "c10d_functional.") * 2**20
     sp_bytes = wire_mib(runs[t, True], "c10d_functional.") * 2**20
-    norm_grads = num_norms * defaults.dim * 4 * 2 * (t - 1) / t  # one all-reduce per norm
+    norm_grads = num_norms * defaults.dim * 4 * 2 * (t - 1) / t  # 每个 norm 一次 all-reduce
     print(f"tp = {t}: TP {tp_bytes:,.0f} B, TP + SP {sp_bytes:,.0f} B "
           f"(difference {sp_bytes - tp_bytes:,.0f} B; norm weight grads {norm_grads:,.0f} B)")
-    assert abs(sp_bytes - tp_bytes - norm_grads) <= 64  # a few 4-byte scalars of grad norms
+    assert abs(sp_bytes - tp_bytes - norm_grads) <= 64  # 梯度范数用到的几个 4 字节标量
     assert abs(sp_bytes / tp_bytes - 1) < 0.01
 
 # %% [markdown]
@@ -407,13 +407,13 @@ for t in (2, 4):
 # %%
 nodes, gpus_per_node, tp = 8, 8, 4
 world = nodes * gpus_per_node
-mesh = torch.arange(world).reshape(world // tp, tp)  # the layout init_device_mesh uses
+mesh = torch.arange(world).reshape(world // tp, tp)  # 与 init_device_mesh 的排布相同
 tp_groups, dp_groups = mesh.tolist(), mesh.t().tolist()
 print(f"mesh {tuple(mesh.shape)}; TP group of rank 13: {tp_groups[13 // tp]}; "
       f"its dp group: {dp_groups[13 % tp]}")
 assert tuple(mesh.shape) == (16, 4) and 8 * 4 != world
-assert all(len({r // gpus_per_node for r in group}) == 1 for group in tp_groups)  # one node each
-assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all nodes
+assert all(len({r // gpus_per_node for r in group}) == 1 for group in tp_groups)  # 每组一个节点
+assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp 组跨越所有节点
 
 # %% [markdown]
 # 计划要逐块应用（`for block in model.layers.values(): parallelize_module(block,

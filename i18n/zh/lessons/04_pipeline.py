@@ -40,9 +40,9 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
 sys.path.insert(0, str(ROOT / "lessons"))
 sys.path.insert(0, str(ROOT / "labs"))
 
-import lab04_pipeline as lab  # noqa: E402  (the lab is importable: nothing runs at import)
-import labkit.pipeline  # noqa: E402  (the kit beside the labs: the schedule classes' rules)
-import pipeline_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+import lab04_pipeline as lab  # noqa: E402  （实验可以直接导入：导入时什么都不执行）
+import labkit.pipeline  # noqa: E402  （实验工具包：各调度类的规则）
+import pipeline_workers  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
 from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
@@ -63,7 +63,7 @@ def bubble(p, m, v=1):
 for p, m in [(4, 4), (8, 8), (8, 32), (8, 64)]:
     print(f"p={p} stages, m={m:>2} microbatches: bubble {bubble(p, m):.0%}")
 assert round(bubble(8, 8), 2) == 0.47 and bubble(8, 32) < 0.18
-# 4 stages per rank do what 4x more microbatches do, without making the microbatches smaller:
+# 每个 rank 4 个阶段，效果等同于把微批次数增加到 4 倍，而微批次不必变小：
 assert abs(bubble(8, 8, v=4) - bubble(8, 32)) < 1e-12
 
 # %% [markdown]
@@ -78,7 +78,7 @@ def bubble_over_compute(p, m, v=1):
 for p, m in [(4, 4), (8, 8), (8, 32)]:
     r = bubble_over_compute(p, m)
     print(f"p={p}, m={m:>2}: idle / compute {r:.0%}, idle / step {bubble(p, m):.0%}")
-    assert abs(r / (1 + r) - bubble(p, m)) < 1e-12  # the same schedule, two denominators
+    assert abs(r / (1 + r) - bubble(p, m)) < 1e-12  # 同一个调度，两种分母
 
 # %% [markdown]
 # 缩小气泡有两种办法：一是增加微批次数量（批次大小固定时，微批次随之变小，每个 kernel 的工作量也更少）；二是让每个 rank 承担 `v` 个更薄的阶段（*交错*）。后者的公式变为 `(p - 1) / (v m + p - 1)`，效果等同于把微批次数量增加到 `v` 倍，代价是发送次数也变为 `v` 倍。
@@ -121,7 +121,7 @@ def draw_gantt(ax, ranks, title):
         for kind, mb, start, end in events:
             ax.barh(r, (end - start) * 1e3, left=(start - t0) * 1e3, color=COLORS[kind],
                     edgecolor="black", lw=0.4, height=0.8)
-            if end - start > 0.025 * span:  # a label only where it fits
+            if end - start > 0.025 * span:  # 只在放得下的地方标注
                 ax.text((start + end - 2 * t0) / 2 * 1e3, r, str(mb), ha="center",
                         va="center", fontsize=10, color="white", fontweight="bold")
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))], fontsize=10)
@@ -144,15 +144,15 @@ gantt_legend(fig, "FB")
 fig.tight_layout(rect=(0, 0.1, 1, 1))
 plt.show()
 
-# Fill and drain, on one clock (the machine's): rank 1 starts microbatch k only after rank 0
-# finished it, and rank 0's backward of k only after rank 1's. The receive enforces that
-# order, so it holds however busy the machine is.
+# 填充与排空，用同一个时钟（本机的）衡量：rank 0 做完微批次 k，rank 1 才开始它；
+# rank 1 做完 k 的反向，rank 0 才开始 k 的反向。这个顺序由接收操作保证，
+# 所以不论机器多忙都成立。
 forward = {(r, mb): (s, e) for r, ev in enumerate(by_hand) for k, mb, s, e in ev if k == "F"}
 backward = {(r, mb): (s, e) for r, ev in enumerate(by_hand) for k, mb, s, e in ev if k == "B"}
 for mb in range(MICRO):
     assert forward[1, mb][0] > forward[0, mb][1]
     assert backward[0, mb][0] > backward[1, mb][1]
-assert forward[0, 0][0] < forward[0, 0][1] < forward[1, 0][0]  # rank 0 starts first; rank 1 waits
+assert forward[0, 0][0] < forward[0, 0][1] < forward[1, 0][0]  # rank 0 先开始；rank 1 等待
 
 # %% [markdown]
 # 这就是“填充-排空”的形状：rank 1 一直空闲，直到 rank 0 的第一个激活值到达；rank 0 从最后一次前向结束起空闲，直到第一个梯度传回来。这两端的空闲就是气泡。
@@ -167,7 +167,7 @@ assert forward[0, 0][0] < forward[0, 0][1] < forward[1, 0][0]  # rank 0 starts f
 
 # %%
 print(inspect.getsource(lab.build_stage_module))
-print(inspect.getsource(lab.cut_stage))  # from the kit: labs/labkit/pipeline.py
+print(inspect.getsource(lab.cut_stage))  # 来自工具包：labs/labkit/pipeline.py
 print(inspect.getsource(lab.stage_ids_for_rank))
 
 # %% [markdown]
@@ -183,7 +183,7 @@ for name, spec in lab.SCHEDULES.items():
 v_cfg = argparse.Namespace(schedule="ZBVZeroBubble", stages_per_rank=2)
 loop_cfg = argparse.Namespace(schedule="Interleaved1F1B", stages_per_rank=2)
 assert lab.stage_ids_for_rank(0, 2, v_cfg) == [0, 3] and lab.stage_ids_for_rank(1, 2, v_cfg) == [1, 2]
-for pp in (2, 4):  # the turn (stage pp - 1 -> pp) stays on the last rank, whatever pp is
+for pp in (2, 4):  # 无论 pp 是多少，拐点（阶段 pp - 1 -> pp）都在最后一个 rank 上
     assert {pp - 1, pp} == set(lab.stage_ids_for_rank(pp - 1, pp, v_cfg))
 assert lab.stage_ids_for_rank(0, 2, loop_cfg) == [0, 2]
 
@@ -212,7 +212,7 @@ for name in lab.SCHEDULES:
         print(f"{name}: not in torch {lab.torch.__version__}")
         continue
     runs[name] = run_lab(2, "--schedule", name, "--microbatches", "4", "--steps", "8",
-                         "--check-parity", torchrun=not runs)  # the first, as you would run it
+                         "--check-parity", torchrun=not runs)  # 第一次照你平时的方式运行
 for name, m in runs.items():
     worst = max(m["parity_max_abs_diff"], m["grad_parity_max_abs_diff"],
                 m["loss_parity_max_abs_diff"])
@@ -228,7 +228,7 @@ for name, m in runs.items():
 # %%
 fig, axes = plt.subplots(len(runs), 1, figsize=(8, 1.7 * len(runs) + 0.8), sharex=True)
 for ax, (name, m) in zip(axes, runs.items()):
-    # The lab's events are (kind, stage, microbatch, start, end, cpu time): keep what we draw.
+    # 实验的事件是 (kind, stage, microbatch, start, end, cpu time)：只保留要画的部分。
     ranks = [[(kind, mb, start, end) for kind, _, mb, start, end, _ in events]
              for events in m["timeline"]["ranks"]]
     draw_gantt(ax, ranks, name)

@@ -43,9 +43,9 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
 sys.path.insert(0, str(ROOT / "lessons"))
 sys.path.insert(0, str(ROOT / "labs"))
 
-import lab05_3d as lab  # noqa: E402  (the lab is importable: nothing runs at import)
-import threed_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
-from labkit.model import MODEL_PRESETS, flops_per_token  # noqa: E402  (the labs' kit)
+import lab05_3d as lab  # noqa: E402  （实验可以直接导入：导入时什么都不执行）
+import threed_workers  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
+from labkit.model import MODEL_PRESETS, flops_per_token  # noqa: E402  （实验工具包）
 from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
@@ -67,19 +67,19 @@ def bytes_per_step(cfg, pp, dp, tp, microbatches, act_bytes=2, param_bytes=2, gr
     activation = cfg["micro_batch"] * cfg["seq_len"] * cfg["dim"] * act_bytes
     blocks = cfg["num_layers"] // pp
     stage_params = cfg["num_params"] / pp
-    ring = lambda n: (n - 1) / n  # noqa: E731  (the share of a buffer each rank sends)
+    ring = lambda n: (n - 1) / n  # noqa: E731  （每个 rank 发送的缓冲区占比）
     return {
         "tp": microbatches * blocks * 4 * 2 * ring(tp) * activation,  # all-reduce: 2 (n-1)/n
         "dp": stage_params / tp * (param_bytes + grad_bytes) * ring(dp),  # gather + scatter
-        "pp": 2 * microbatches * activation,  # an interior stage: one send each way per mb
+        "pp": 2 * microbatches * activation,  # 中间阶段：每个微批次每个方向各 send 一次
     }
 
 
 LLAMA_70B = {"num_params": 70.55e9, "num_layers": 80, "dim": 8192, "seq_len": 8192,
              "micro_batch": 1}
 traffic = bytes_per_step(LLAMA_70B, pp=4, dp=2, tp=8, microbatches=8)
-# Published link speeds (datasheets, not measured here): NVLink on an H100 SXM is 900 GB/s in
-# total, 450 GB/s each way; one 400 Gb/s InfiniBand NIC per GPU is 50 GB/s each way.
+# 公开的链路速度（来自数据手册，不是这里实测的）：H100 SXM 的 NVLink 合计 900 GB/s，
+# 每个方向 450 GB/s；每张 GPU 一块 400 Gb/s 的 InfiniBand 网卡，每个方向 50 GB/s。
 NVLINK, INFINIBAND = 450e9, 50e9
 for axis, sent in traffic.items():
     print(f"{axis}: {sent / 1e9:7.1f} GB per step per GPU | {sent / NVLINK * 1e3:6.0f} ms on "
@@ -92,9 +92,9 @@ assert traffic["tp"] > 10 * traffic["dp"] and traffic["dp"] > traffic["pp"]
 # TP 的约 150 GB 在 NVLink 上约需 0.33 s，只占计算时间的一小部分；但在 InfiniBand 上要 3 s，比计算还长：**TP 必须留在节点内**。FSDP 每步约 6.6 GB，走 InfiniBand 约需 0.13 s，而且能与计算重叠（第 02 课）；PP 的约 2 GB 是三者中最轻的：**PP 和 DP 跨节点**。设备网格的维度顺序（从最外层开始）由此而来：`("pp", "dp", "tp")`，这样一个 TP 组就是 8 个连续的 rank，正好一个节点。
 
 # %%
-llama_70b = argparse.Namespace(**MODEL_PRESETS["70b"])  # the labs' preset: 70.55B params
-flop_per_token = flops_per_token(llama_70b, llama_70b.seq_len)  # the labs' MFU formula
-per_rank_flop = 8 * 8192 * flop_per_token / (4 * 8)  # 8 microbatches, 1/(pp x tp) each
+llama_70b = argparse.Namespace(**MODEL_PRESETS["70b"])  # 实验的预设：70.55B 参数
+flop_per_token = flops_per_token(llama_70b, llama_70b.seq_len)  # 实验的 MFU 公式
+per_rank_flop = 8 * 8192 * flop_per_token / (4 * 8)  # 8 个微批次，每个 rank 各算 1/(pp x tp)
 compute_s = per_rank_flop / (0.40 * 989e12)
 print(f"{flop_per_token / 1e9:.1f} GFLOP per token; per GPU per step {per_rank_flop / 1e12:.0f} "
       f"TFLOP, {compute_s:.1f} s at 40% of the H100's bf16 peak")
@@ -126,8 +126,8 @@ for name, (_, items) in plans.items():
           f"{items['gathered (FSDP)']:5.2f} GB | activations "
           f"{items['activations']:5.2f} GB | total {items['total']:6.2f} GB of 80")
 small, big, recompute = (items for _, items in plans.values())
-# Eight times the dp degree, an eighth of the state; the gathered stage and the activations
-# do not shrink with dp, so more GPUs alone never make this layout fit.
+# dp 并行度扩大到 8 倍，状态降为 1/8；但 gather 后的阶段权重和激活值不随 dp 缩小，
+# 所以光加 GPU，这种布局永远装不下。
 assert abs(small["params (fp32)"] / big["params (fp32)"] - 8) < 0.01
 assert small["activations"] == big["activations"] > 0.75 * 80
 assert small["gathered (FSDP)"] == big["gathered (FSDP)"]
@@ -195,7 +195,7 @@ for rank, r in enumerate(recorded):
 # 还是同一步，按 rank 画出来：每个微批次的前向（蓝色）和反向（橙色），另外在每次发起集合通信的时刻打一个标记，颜色表示所属维度。各 rank 在这一步之前一起离开同一个 barrier，而且在同一台机器上读的是同一个时钟（`time.perf_counter`，在 Linux 上即 CLOCK_MONOTONIC），所以它们的时间可以精确比较。
 
 # %%
-t0 = min(r["start"] for r in recorded)  # every rank read the same monotonic clock
+t0 = min(r["start"] for r in recorded)  # 所有 rank 读的是同一个单调时钟
 for r in recorded:
     r["actions"] = [(k, s, mb, a - t0, b - t0) for k, s, mb, a, b in r["actions"]]
     r["events"] = [(axis, op, t - t0, size) for axis, op, t, size in r["events"]]
@@ -229,16 +229,16 @@ fig.legend(handles, ["forward", "backward", *[s[2] for s in AXIS_STYLE.values()]
 fig.tight_layout(rect=(0, 0.14, 1, 1))
 plt.show()
 
-# Read off the chart, checked: on every rank FSDP gathers the first block before any forward
-# finishes; the last stage starts microbatch 0 only after the first stage finished it (for
-# the same dp and tp slot), and the grad-norm all-reduce comes after every backward.
+# 把图上读到的逐条验证：每个 rank 上，FSDP 在任何前向结束之前就 gather 了第一个 block；
+# 最后一个阶段要等第一个阶段做完微批次 0（同一 dp、tp 位置）才开始它；
+# 梯度范数的 all-reduce 在所有反向之后。
 for rank, r in enumerate(recorded):
     first_gather = min(t for a, op, t, _ in r["events"] if a == "dp" and "gather" in op)
     first_forward_end = min(end for kind, _, _, _, end in r["actions"] if kind == "F")
     assert first_gather < first_forward_end, rank
     norm = max(t for a, _, t, _ in r["events"] if a == "world")
     assert norm > max(end for kind, _, _, _, end in r["actions"] if kind == "B"), rank
-for rank in range(4):  # pp 0 ranks; rank + 4 holds the next stage at the same (dp, tp)
+for rank in range(4):  # pp 0 上的 rank；rank + 4 持有同一 (dp, tp) 位置的下一个阶段
     f0 = [(s, e) for kind, _, mb, s, e in recorded[rank]["actions"] if kind == "F" and mb == 0]
     f1 = [(s, e) for kind, _, mb, s, e in recorded[rank + 4]["actions"]
           if kind == "F" and mb == 0]
@@ -270,7 +270,7 @@ def run_lab(nproc, *args, torchrun=False):
 
 ckpt = workdir / "checkpoints"
 common = ["--steps", 12, "--log-every", 1, "--check-parity"]
-straight = run_lab(8, *common, torchrun=True)  # as you would run it; the legs fork their ranks
+straight = run_lab(8, *common, torchrun=True)  # 照平时的方式运行；续训的几段 fork 出 rank
 legs = [run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 4),
         run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 8,
                 "--pp", 1, "--dp", 2, "--tp", 4),

@@ -45,13 +45,13 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
 sys.path[:0] = [str(ROOT / "labs"), str(ROOT / "lessons")]
 
-import lab01_ddp as lab  # noqa: E402  (the lab that lesson 06 profiles)
-from labkit.metrics import measure_matmul_peak  # noqa: E402  (the labs' kit: the CPU's peak)
+import lab01_ddp as lab  # noqa: E402  （第 06 课要剖析的实验）
+from labkit.metrics import measure_matmul_peak  # noqa: E402  （实验工具包：CPU 的峰值）
 from labkit.model import MODEL_PRESETS, flops_per_token, loss_fn, parameter_shapes  # noqa: E402
-import perf_model  # noqa: E402  (the step-time model: its check, and a published run)
-from spawn import launch_lab  # noqa: E402  (lessons/spawn.py: torchrun's ranks, forked)
+import perf_model  # noqa: E402  （步耗时模型：它的校验，以及一次公开的训练）
+from spawn import launch_lab  # noqa: E402  （lessons/spawn.py：fork 出 torchrun 式的 rank）
 
-torch.set_num_threads(1)  # what each lab rank uses (torchrun sets OMP_NUM_THREADS=1)
+torch.set_num_threads(1)  # 与每个实验 rank 一致（torchrun 会设置 OMP_NUM_THREADS=1）
 
 workdir = Path(tempfile.mkdtemp(prefix="lesson06-"))
 env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -97,7 +97,7 @@ def train_steps(dim, steps=4, seq_len=32, batch=8):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up: allocations, the optimizer state
+    step()  # 预热：内存分配、优化器状态
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
@@ -110,11 +110,10 @@ sweep = [train_steps(dim) for dim in (32, 64, 128, 256, 512, 1024)]
 for r in sweep:
     print(f"dim {r['dim']:>4}: {r['step_s'] * 1e3:7.1f} ms per step, "
           f"{r['flops'] / r['step_s'] / 1e9:6.2f} GFLOP/s, MFU {r['mfu']:.0%}")
-debug = next(r for r in sweep if r["dim"] == 64)  # the labs' default width
-# Where compute dominates, MFU is a multiple of the debug model's. How close it gets to the
-# matmul peak varies from run to run on this VM (40% to about 70% at width 1024 in the runs
-# made while writing this, the peak itself reading 125 to 154 GFLOP/s; the step also runs
-# AdamW and elementwise work, slower per FLOP than a matmul).
+debug = next(r for r in sweep if r["dim"] == 64)  # 实验的默认宽度
+# 计算占主导时，MFU 是调试模型的数倍。它离矩阵乘峰值有多近，在这台 VM 上每次都不同
+# （编写本课时的几次运行中，宽度 1024 下为 40% 到约 70%，峰值本身测得 125 到 154 GFLOP/s；
+# 训练步还要跑 AdamW 和逐元素运算，每 FLOP 都比矩阵乘慢）。
 assert sweep[-1]["mfu"] > 1.5 * debug["mfu"] and sweep[-1]["mfu"] > 0.3, sweep
 
 # %%
@@ -144,7 +143,7 @@ print(f"cores: {os.cpu_count()}; a 4-rank run gives each rank {os.cpu_count() / 
 # DDP 在反向传播产出一个梯度桶后立即开始对它做 all-reduce，同时反向传播继续计算更靠前的层；FSDP2 在当前 block 计算时 gather 下一个 block 的权重。重叠到底有没有发生，要看 trace（性能轨迹）。两个 rank，实验模型宽度 512、4 个 block，在 `torch.profiler` 下跑一步，记录训练线程上的算子，以及 gloo 的集合通信（它们运行在 gloo 自己的线程上）。
 
 # %%
-import perf_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+import perf_workers  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
 from spawn import run_workers  # noqa: E402
 
 
@@ -177,15 +176,15 @@ for strategy, ranks in traces.items():
     print(f"{strategy:10s}: step {span * 1e3:4.0f} ms; gloo busy {comm_s * 1e3:4.0f} ms, "
           f"{shares[strategy]:.0%} of it while the training thread computed")
 
-# The shares are measurements: a busy machine moves them. What each mechanism guarantees is
-# the order in which the training thread did things, and that is what is asserted.
+# 这些占比是实测值，机器一忙就会变。每种机制能保证的是训练线程做事的顺序，
+# 下面断言的正是这一点。
 during, issued = perf_workers.allreduces_issued_during_backward(traces["ddp"][0])
 print(f"ddp: {during} of its {issued} bucket all-reduces issued while backward still ran")
-assert issued > 2 and during == issued - 1  # every bucket but the last to fill
-assert not any(perf_workers.prefetched_in_forward(traces["fsdp"][0], 4))  # gathered on arrival
-assert all(perf_workers.prefetched_in_forward(traces["fsdp-async"][0], 4))  # next one in flight
+assert issued > 2 and during == issued - 1  # 除最后填满的那个桶外，都在反向期间发出
+assert not any(perf_workers.prefetched_in_forward(traces["fsdp"][0], 4))  # 算到该 block 时才 gather
+assert all(perf_workers.prefetched_in_forward(traces["fsdp-async"][0], 4))  # 已预取下一个 block
 gathers_only = [e for e in traces["fsdp"][0] if e[0] != "comm" or "all_gather" in e[1]]
-assert overlap_share(gathers_only)[0] < 0.05  # blocking: the thread waits out every all-gather
+assert overlap_share(gathers_only)[0] < 0.05  # 阻塞：线程要等完每一次 all-gather
 
 # %%
 fig, axes = plt.subplots(3, 1, figsize=(10, 5.0), sharex=False)
@@ -233,8 +232,8 @@ print(f"{trace_path}: {len(events):,} events, {trace_path.stat().st_size / 1e6:.
 for name in ("ProfilerStep#2", "ProfilerStep#3", "FSDP::all_gather (layers.0)",
              "gloo:all_gather", "c10d::_reduce_scatter_base_", "aten::mm"):
     print(f"{by_name[name]:5d}  {name}")
-# Two steps of lab02 (two blocks and the root, one FSDP unit each): per step, 3 all-gathers in
-# forward, 2 in backward (the root stays gathered), and a reduce-scatter per unit.
+# lab02 的两步（两个 block 加根模块，各为一个 FSDP 单元）：每步前向 3 次 all-gather，
+# 反向 2 次（根模块保持 gather 后的状态），每个单元一次 reduce-scatter。
 assert by_name["ProfilerStep#2"] == by_name["ProfilerStep#3"] == 1
 assert by_name["gloo:all_gather"] == 2 * (3 + 2)
 assert by_name["c10d::_reduce_scatter_base_"] == 2 * 3 and by_name["aten::mm"] > 0
@@ -245,13 +244,13 @@ assert by_name["c10d::_reduce_scatter_base_"] == 2 * 3 and by_name["aten::mm"] >
 # lab02 的 `--compile` 在分片之前用 inductor 编译每个 block（即 torchtitan 的逐 block 编译）。在宽度 1024、计算占主导的条件下，用两个 rank 对比 eager 模式和编译后的版本；编译本身发生在第一步，单独报告。
 
 # %%
-# perf_model's settings at width 1024: sync points at steps 1, 5 and 6, so the first step
-# (with the compile) is a window of its own and the throughput is that of steps 2 to 6. The
-# eager run is saved where the step-time model's `perf_model.py --check --reuse` finds it.
+# perf_model 在宽度 1024 时的设置：同步点在第 1、5、6 步，所以第一步（含编译）单独成为
+# 一个窗口，吞吐量取第 2 到 6 步。eager 运行的结果存到步耗时模型的
+# `perf_model.py --check --reuse` 能找到的位置。
 WIDE = perf_model.case_args(1024)
 eager = run_lab("lab02_fsdp.py", 2, *WIDE,
               metrics_path=perf_model.case_file(workdir, "lab02_fsdp", 1024))
-# A fresh inductor cache: the first compile a reader pays, not a load from an earlier run's.
+# 全新的 inductor 缓存：测的是读者第一次编译的代价，而不是从之前运行的缓存加载。
 compiled = run_lab("lab02_fsdp.py", 2, *WIDE, "--compile",
                    extra_env={"TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache")})
 for name, m in (("eager", eager), ("compiled", compiled)):
@@ -281,9 +280,9 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 # %%
 HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers", "4",
          "--microbatches", "4", "--batch-size", "16", "--steps", "8", "--log-every", "4"]
-# Real torchrun here, the launcher this check was first proven with. Forked ranks measure the
-# same within the noise: GPipe's median step came out +3% to +13% against the formula for its
-# stages with forked ranks, and -2% to +9% with torchrun (2026-12-03, 3 and 4 runs).
+# 这里用真正的 torchrun，即最初验证这项检查时用的启动器。fork 出的 rank 在噪声范围内测得
+# 相同的结果：相对于按各阶段实际耗时算出的公式，GPipe 的中位步用 fork 的 rank 时
+# 为 +3% 到 +13%，用 torchrun 时为 -2% 到 +9%（2026-12-03，分别运行 3 次和 4 次）。
 heavy_runs = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name, torchrun=True)
               for name in ("GPipe", "1F1B", "Interleaved1F1B")}
 bubbles = {name: m["bubble"] for name, m in heavy_runs.items()}
@@ -293,7 +292,7 @@ def flops_per_microbatch(flops_per_token, batch_size, seq_len, microbatches):
     return flops_per_token * batch_size * seq_len / microbatches
 
 
-# Lesson 04's runs: lab04's defaults, the debug model with 4 layers, 16 sequences in 4 microbatches.
+# 第 04 课的运行：lab04 的默认值，4 层的调试模型，16 条序列分成 4 个微批次。
 debug = lab.parse_config(["--num-layers", "4"])
 light = flops_per_microbatch(flops_per_token(debug, debug.seq_len), 16, debug.seq_len, 4)
 heavy_config = heavy_runs["GPipe"]["config"]
@@ -330,8 +329,8 @@ for name, b in bubbles.items():
         line += (f" | slower stage {max(times) / min(times) - 1:.0%} slower: formula for these "
                  f"stages {expected:.3f} ({b['measured'] / expected - 1:+.0%})")
     print(f"{line} | least idle step {least_idle(b):.3f} | replayed {b['replayed']:.3f}")
-    # What the schedule guarantees: the order each rank really ran, with equal stages, idles
-    # exactly the formula's share. The measured bubble above is printed, not asserted.
+    # 调度能保证的是：按每个 rank 实际的执行顺序，各阶段等长时，空闲占比恰好等于公式。
+    # 上面实测的气泡只打印，不断言。
     assert abs(b["replayed_equal_stages"] - b["formula"]) < 1e-9, (name, b)
 interleaved = bubbles["Interleaved1F1B"]
 for name in ("GPipe", "1F1B"):
@@ -350,7 +349,7 @@ CHECK_DIMS = (256, 1024)
 for lab_name in perf_model.CHECKED_LABS:
     for dim in CHECK_DIMS:
         case = perf_model.case_file(workdir, lab_name, dim)
-        if not perf_model.reusable(case, dim, 2):  # lab02 at 1024: the compile section's run
+        if not perf_model.reusable(case, dim, 2):  # 宽度 1024 的 lab02：即 compile 一节的那次运行
             run_lab(f"{lab_name}.py", 2, *perf_model.case_args(dim), metrics_path=case)
 check_path = workdir / "perf_model.json"
 proc = subprocess.run([sys.executable, str(ROOT / "labs" / "perf_model.py"), "--check",
@@ -360,13 +359,13 @@ proc = subprocess.run([sys.executable, str(ROOT / "labs" / "perf_model.py"), "--
 print(proc.stdout)
 cases = json.loads(check_path.read_text())["cases"]
 ratio = {(c["lab"], c["dim"]): c["measured_s"] / c["predicted_s"] for c in cases}
-# A lower bound (nothing is free), up to run-to-run noise: the peak alone varied by 7% between
-# two 1-second measurements while this was written, and a busy machine measures a low peak. Only
-# a model that predicts twice the time it takes, a bug, fails here.
+# 预测是下界（没有什么是免费的），允许运行间的噪声：编写本课时，两次 1 秒的测量之间
+# 峰值本身就差了 7%，机器忙时测出的峰值还会偏低。只有预测耗时达到实际两倍的模型
+# （那就是 bug）才会在这里失败。
 assert all(r >= 0.5 for r in ratio.values()), ratio
-# The target where compute dominates: within 35%. This VM's noise straddles it (1.01 to 1.57
-# for lab01 at width 1024 in the runs made while writing this, and more on a busy machine), so
-# it is printed, not asserted: a wall-clock time is not a property of the model.
+# 计算占主导时的目标：误差在 35% 以内。这台 VM 的噪声正好跨过这条线（编写本课时，
+# 宽度 1024 的 lab01 为 1.01 到 1.57，机器忙时更大），所以只打印、不断言：
+# 实际耗时不是模型本身的属性。
 target_met = ratio[("lab01_ddp", 1024)] <= 1.35
 print(f"lab01 at width 1024: measured / predicted {ratio[('lab01_ddp', 1024)]:.2f}, "
       f"{'within' if target_met else 'outside'} the 35% target")
@@ -403,8 +402,8 @@ for name, tps in published.items():
     print(f"published, {name}: {tps:,} tok/s per GPU = "
           f"{tps / predicted['overlapped_tokens_per_s']:.0%} of the prediction, MFU "
           f"{tps * flop_per_token / 989e12:.1%}")
-# What the text below relies on: FSDP's traffic is about an eighth of the compute, and the
-# published FSDP run reaches 34% MFU (the figure lesson 05 compares its 40% assumption with).
+# 下文依赖的两点：FSDP 的通信耗时约为计算的八分之一；公开的 FSDP 训练达到 34% MFU
+# （第 05 课拿它和自己假设的 40% 作对比）。
 assert 0.1 < predicted["comm_s"] / predicted["compute_s"] < 0.15, predicted
 assert round(published["FSDP"] * flop_per_token / 989e12, 2) == 0.34
 

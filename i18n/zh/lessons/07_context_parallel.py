@@ -40,10 +40,10 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
 sys.path.insert(0, str(ROOT / "lessons"))
 
-import context_workers as cw  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+import context_workers as cw  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
 from spawn import run_workers  # noqa: E402
 
-torch.set_num_threads(1)  # the same single thread per process as the workers below
+torch.set_num_threads(1)  # 与下面的 worker 一样，每个进程只用一个线程
 
 # %% [markdown]
 # ## 为什么
@@ -106,7 +106,7 @@ print(inspect.getsource(cw.ring_attention_backward))
 
 # %%
 PARITY_SEQ = 64
-WORK_SHAPE = (4096, 4, 64)  # seq_len, heads, head_dim: enough compute for the CPU clock to see
+WORK_SHAPE = (4096, 4, 64)  # seq_len、heads、head_dim：计算量足够让 CPU 计时测得出来
 MEMORY_SEQS = [1024, 2048, 4096]
 rings = {p: run_workers(cw.lesson_measurements, p, PARITY_SEQ, WORK_SHAPE, MEMORY_SEQS, p == 2,
                         timeout_s=240)
@@ -136,9 +136,9 @@ assert worst < 1e-5
 # 前向传播自己记录下的执行顺序：每次轮转都在使用同一切片的计算之前提交，在计算之后才收到。
 
 # %%
-events = rings[4][0]["traffic"]["ring_events"]  # rank 0's forward on 4 ranks
+events = rings[4][0]["traffic"]["ring_events"]  # 4 个 rank 时 rank 0 的前向
 print(" -> ".join(f"{what} {step}" for what, step in events))
-for step in range(3):  # each rotation is posted before its step computes, received after
+for step in range(3):  # 每次轮转都在该步计算之前发出、计算之后接收
     assert (events.index(("posted", step)) < events.index(("computed", step))
             < events.index(("received", step)))
 
@@ -201,7 +201,7 @@ for p, ranks in rings.items():
     for layout in ("contiguous", "zigzag"):
         blocks = [r["work"][layout]["blocks"] for r in ranks]
         cpu = [r["work"][layout]["cpu_s"] for r in ranks]
-        # forward and backward each compute every visible block once
+        # 前向和反向各把每个可见块算一次
         predicted = [2 * predicted_blocks(rank, p, layout) for rank in range(p)]
         assert blocks == predicted, (p, layout, blocks, predicted)
         work_rows.append((p, layout, blocks, cpu, max(cpu) / (sum(cpu) / p)))
@@ -271,7 +271,7 @@ assert zig_total < contiguous_total
 print(inspect.getsource(cw.saved_bytes))
 
 # %%
-heads, head_dim = 4, 16  # ring_memory's shape
+heads, head_dim = 4, 16  # 与 ring_memory 的形状相同
 
 
 def predicted_saved_bytes(seq_len, world_size):
@@ -279,7 +279,7 @@ def predicted_saved_bytes(seq_len, world_size):
 
 
 memory = {1: {}}
-for seq_len in MEMORY_SEQS:  # p = 1: the same ring code in this process, a ring of one
+for seq_len in MEMORY_SEQS:  # p = 1：在本进程里跑同一份环代码，环上只有一个 rank
     local = [t.requires_grad_() for t in cw.make_qkv(seq_len, heads, head_dim)[:3]]
     memory[1][seq_len] = cw.saved_bytes(lambda: cw.ring_attention(*local, layout="zigzag"))
 for p, ranks in rings.items():
@@ -287,7 +287,7 @@ for p, ranks in rings.items():
     assert all(m == per_rank[0] for m in per_rank), "every rank saves the same"
     memory[p] = per_rank[0]
 plain = {}
-for seq_len in MEMORY_SEQS:  # plain attention keeps the S x S probabilities too
+for seq_len in MEMORY_SEQS:  # 普通 attention 还要保存 S x S 的概率矩阵
     local = [t.requires_grad_() for t in cw.make_qkv(seq_len, heads, head_dim)[:3]]
     plain[seq_len] = cw.saved_bytes(lambda: cw.full_attention(*local))
 
@@ -332,18 +332,18 @@ print(inspect.getsource(cw.sequence_to_heads))
 print(inspect.getsource(cw.ulysses_attention))
 
 # %%
-q, k, v, _ = cw.make_qkv(1024)  # lesson_measurements' traffic_seq, 4 heads of 16
+q, k, v, _ = cw.make_qkv(1024)  # 即 lesson_measurements 的 traffic_seq，4 个头，每个 16 维
 reference = cw.full_attention(q, k, v, causal=True)
 for p, ranks in rings.items():
     out = cw.unshard_sequence([r["traffic"]["ulysses_out"] for r in ranks], "contiguous")
-    slice_bytes = ranks[0]["traffic"]["slice_bytes"]  # one of q, k, v on one rank
+    slice_bytes = ranks[0]["traffic"]["slice_bytes"]  # 一个 rank 上 q、k、v 中的一个
     predicted = {"ring": 2 * (p - 1) * slice_bytes, "all-to-all": 4 * (p - 1) / p * slice_bytes}
     sent = ranks[0]["traffic"]["sent"]
     print(f"p={p}: all-to-all output vs one process {(out - reference).abs().max():.1e} | "
           + " | ".join(f"{name} sent {sent[name]:,} B, predicted {predicted[name]:,.0f}"
                        for name in predicted if sent[name] is not None))
     assert (out - reference).abs().max() < 1e-5
-    for name in predicted:  # within 2%: the rest is message headers
+    for name in predicted:  # 误差在 2% 以内：多出的是消息头
         if sent[name] is not None:
             assert abs(sent[name] / predicted[name] - 1) < 0.02, (name, sent[name])
 

@@ -37,7 +37,7 @@ ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
 sys.path.insert(0, str(ROOT / "lessons"))
 
-import moe_workers as mw  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+import moe_workers as mw  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
 from spawn import run_workers  # noqa: E402
 
 torch.set_num_threads(1)
@@ -216,7 +216,7 @@ with torch.no_grad():
         for factor in FACTORS:
             _, stats = mw.moe_reference(x, params, factor)
             excess = sum(max(0, int(c) - stats["capacity"]) for c in stats["counts"])
-            assert stats["dropped"] == excess  # every expert drops exactly its excess
+            assert stats["dropped"] == excess  # 每个专家丢弃的恰好是超出容量的部分
             dropped_share[label].append(stats["dropped"] / (1024 * mw.TOP_K))
 for label, shares in dropped_share.items():
     print(f"{label:>32}: " + "  ".join(f"{f:g}:{s:.2f}" for f, s in zip(FACTORS, shares)))
