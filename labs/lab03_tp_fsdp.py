@@ -8,11 +8,9 @@ over "dp", whose ranks exchange only FSDP's all-gathers and reduce-scatters: tha
 cross nodes. --sequence-parallel also shards the norms and residual stream on the sequence dim;
 --loss-parallel computes the loss on vocab-sharded logits. `--check-parity` retrains the same
 global batches in one process and compares every parameter in fp32 (max |diff| <= 1e-5; about
-3e-7 here). That needs the learning-rate warmup (`learning_rate()`): TP reorders
-floating-point sums, and AdamW's first step is lr * g / (|g| + eps), about lr * sign(g) for
-any entry well above eps = 1e-8, so a tiny gradient whose sign is rounding noise ends up to
-2 x lr away (1.5e-4 measured with `--warmup-steps 0`; `--parity-dtype float64` shows it is
-rounding, not a bug). `--count-comms` counts one step's collectives by type with
+3e-7 here). That needs the learning-rate warmup: TP reorders floating-point sums, and AdamW's
+first step turns that rounding into a full step (the kit's `learning_rate()` says why; lesson
+03 measures it). `--count-comms` counts one step's collectives by type with
 CommDebugMode, and the activation bytes saved for backward (labkit/probes.py).
 
 Launch (the same file everywhere; the backend follows the hardware):

@@ -292,14 +292,12 @@ assert gap < 1e-5 and ddp2["final_loss"] < 1.0
 
 # %% [markdown]
 # A subtle point about that reference. It accumulates the gradients of each rank's
-# micro-batches in one process, which is exactly the mean gradient of the global batch. A
-# reference that instead runs the 16 sequences as one big batch computes the same mean with a
-# different summation order. The difference is ~1e-8 per gradient entry, but Adam divides each
-# update by the running root-mean-square of that entry's gradient, and for entries that cancel
-# to nearly zero, rounding noise of 1e-8 becomes a relative error of order one. It is worst at
-# Adam's first step, which the lab's learning-rate warmup (`--warmup-steps 5`) skips: without
-# it, 3 ranks miss 1e-5 (1.4e-5, `tests/test_odd_world_sizes.py`). That is not a DDP bug; it is
-# Adam amplifying float rounding. Exercise 3 lets you measure it.
+# micro-batches in one process, which is exactly the mean gradient of the global batch; one
+# big batch of 16 would sum the same mean in another order, about 1e-8 apart. At AdamW's first
+# step such rounding can move a weight by a full step, which is why the labs warm the learning
+# rate up: without warmup, 3 ranks miss 1e-5 (1.4e-5, `tests/test_odd_world_sizes.py`).
+# [Lesson 03 measures why](03_tp_fsdp.ipynb#why-fp32-parity-needs-warmup-adamws-first-step);
+# exercise 3 below lets you see it here.
 #
 # With 4 processes and gradient accumulation (2 micro-steps per optimizer step, `no_sync` on
 # the first) the result is the same. The lab's default global batch is 8 sequences per rank

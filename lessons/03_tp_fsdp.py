@@ -296,12 +296,16 @@ for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
 assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
 
 # %% [markdown]
-# Parity holds on every mesh, in fp32, within 1e-5. That is not automatic. TP changes the
-# *order* of floating-point sums (a row-parallel matmul adds two half-sums), so fp32 results
-# differ in the last bits. Most of the time that stays at 1e-7. But AdamW's first step is
-# `lr * g / (|g| + eps)` with eps = 1e-8. For any entry well above eps that is about
-# `lr * sign(g)`, a full step of 3e-3 whatever the size of g; only below eps does the step
-# shrink in proportion. One AdamW step on one weight, measured:
+# Parity holds on every mesh, in fp32, within 1e-5. That is not automatic, as the next section
+# shows.
+#
+# ### Why fp32 parity needs warmup: AdamW's first step
+#
+# The course's one home for this effect. Any parallel run sums in another order than one
+# process (TP's half-sums, an all-reduce over 3 ranks), so fp32 results differ in their last
+# bits, about 1e-7. AdamW's first step turns that into a full step: it is
+# `lr * g / (|g| + eps)` with eps = 1e-8, about `lr * sign(g)` for any entry well above eps,
+# whatever its size. One AdamW step on one weight, measured:
 
 # %%
 def first_adamw_step(grad, lr=3e-3):
@@ -319,14 +323,11 @@ assert abs(first_adamw_step(1e-8) - 1.5e-3) < 1e-5      # g = eps: half a step
 assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # far below eps: proportional to g
 
 # %% [markdown]
-# So an entry of 1e-7, which in a sum of many terms can be rounding noise, moves its weight by
-# nearly a full step, and a different summation order (TP's half-sums, a 3-rank all-reduce)
-# can flip its sign: the weight ends up to 2 x 3e-3 away from the single-process run. The labs
-# warm the learning rate up from 0 (`--warmup-steps 5`, as most transformer recipes do), so
-# step 1 only fills AdamW's moment estimates; from step 2 each entry is divided by the RMS of
-# its gradients over several steps, and one noisy value no longer decides.
-#
-# Three runs of 3 steps on mesh (1, 2) show it, and show that it is rounding, not a bug:
+# So an entry of 1e-7, which can be rounding noise, moves its weight by nearly a full step,
+# and another summation order can flip its sign. The labs warm the learning rate up from 0
+# (`--warmup-steps 5`, as most transformer recipes do): step 1 only fills AdamW's moment
+# estimates, and from step 2 one noisy value no longer decides. Three runs of 3 steps on mesh
+# (1, 2), with and without warmup, in fp32 and float64:
 
 # %%
 no_warmup = ["--tp", 2, "--steps", 3, "--check-parity", "--parity-tol", "1e-2",
@@ -344,11 +345,11 @@ gaps = [m["parity_max_abs_diff"] for m in parity_runs.values()]
 assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
 
 # %% [markdown]
-# Without warmup a few parameters differ by about 1e-4, while the losses agree to rounding. In
-# float64 the same program agrees to about 1e-13: the two computations are the same function,
-# and the fp32 gap is rounding that AdamW amplified. With warmup, fp32 parity is back at
-# about 1e-7. When your own parity check fails by a little, `--parity-dtype float64` is the
-# test that tells a bug (a gap in both dtypes) from rounding (a gap in fp32 only).
+# Without warmup a few parameters differ by about 1e-4 while the losses agree; in float64 the
+# same program agrees to about 1e-13, so the fp32 gap is rounding that AdamW amplified, not a
+# bug. With warmup, fp32 parity is back at about 1e-7. When your own parity check fails by a
+# little, `--parity-dtype float64` tells a bug (a gap in both dtypes) from rounding (a gap in
+# fp32 only).
 #
 # ### Memory per rank against tp
 

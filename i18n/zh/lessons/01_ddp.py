@@ -236,7 +236,7 @@ gap = max(abs(a - b) for (_, a), b in zip(ddp2["losses"], ddp2["reference_losses
 assert gap < 1e-5 and ddp2["final_loss"] < 1.0
 
 # %% [markdown]
-# 关于这个单进程参考，有一个微妙之处。它在一个进程中累积每个 rank 各个微批次的梯度，这恰好就是全局 batch 的平均梯度。如果参考实现改为把 16 条序列当作一个大 batch 来跑，算出的均值相同，但求和顺序不同。每个梯度元素上的差异约为 1e-8，可是 Adam 会把每次更新除以该元素梯度的滑动均方根；对于正负相消、接近零的元素，1e-8 的舍入噪声会变成量级为 1 的相对误差。这个问题在 Adam 的第一步最严重，而本实验的学习率预热（`--warmup-steps 5`）避开了这一步：去掉预热，3 个 rank 时就达不到 1e-5（实测 1.4e-5，见 `tests/test_odd_world_sizes.py`）。这不是 DDP 的 bug，而是 Adam 放大了浮点舍入误差。练习 3 会让你亲手测量它。
+# 关于这个单进程参考，有一个微妙之处。它在一个进程中累积每个 rank 各个微批次的梯度，这恰好就是全局 batch 的平均梯度；把 16 条序列当作一个大 batch，算出的是同一个均值，只是求和顺序不同，相差约 1e-8。在 AdamW 的第一步，这样的舍入误差可能让一个权重移动整整一步，所以各实验都让学习率预热：不预热时，3 个 rank 就达不到 1e-5（实测 1.4e-5，见 `tests/test_odd_world_sizes.py`）。[第 03 课实测了原因](03_tp_fsdp.ipynb#why-fp32-parity-needs-warmup-adamws-first-step)；下面的练习 3 让你在这里亲眼看到它。
 #
 # 在 4 个进程上使用梯度累积（每个优化器步 2 个微步，第一个使用 `no_sync`），结果也一样。本实验默认的全局 batch 是每个 rank、每个微步 8 条序列，因此会随 world size 增大；用 `--batch-size 16` 可以让它与 2 个 rank 时的全局 batch 保持一致：
 

@@ -256,9 +256,11 @@ for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
 assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
 
 # %% [markdown]
-# 在每种网格上，fp32 一致性都在 1e-5 以内。这并不是理所当然的。
+# 在每种网格上，fp32 一致性都在 1e-5 以内。这并不是理所当然的，下一节说明原因。
 #
-# TP 改变了浮点求和的*顺序*（行并行的矩阵乘法要把两个半和相加），所以 fp32 结果的最后几位会不同，大多数时候差异停留在 1e-7。但 AdamW 的第一步是 `lr * g / (|g| + eps)`，其中 eps = 1e-8。只要某个分量远大于 eps，这一步就约等于 `lr * sign(g)`：不管 g 多大，都会走满 3e-3 的一步；只有低于 eps 时，步长才按比例缩小。下面实测单个权重上的一次 AdamW 更新：
+# ### fp32 一致性为什么需要预热：AdamW 的第一步
+#
+# 本课程只在这里讲这个效应。任何并行运行的求和顺序都和单进程不同（TP 的半和、3 个 rank 上的 all-reduce），所以 fp32 结果的最后几位会不同，约为 1e-7。AdamW 的第一步会把它放大成一整步：这一步是 `lr * g / (|g| + eps)`，其中 eps = 1e-8；只要分量远大于 eps，不管它多大，这一步都约等于 `lr * sign(g)`。下面实测单个权重上的一次 AdamW 更新：
 
 # %%
 def first_adamw_step(grad, lr=3e-3):
@@ -276,11 +278,7 @@ assert abs(first_adamw_step(1e-8) - 1.5e-3) < 1e-5      # g = eps：半步
 assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # 远小于 eps：与 g 成正比
 
 # %% [markdown]
-# 所以一个 1e-7 的梯度分量（在多项求和中它可能只是舍入噪声）会让对应权重移动将近一整步，而换一种求和顺序（TP 的半和、3 个 rank 的 all-reduce）就可能翻转它的符号：这个权重最终与单进程运行相差最多 2 x 3e-3。
-#
-# 因此各实验让学习率从 0 开始预热（`--warmup-steps 5`，大多数 Transformer 训练配方都这么做），第 1 步只用来填充 AdamW 的矩估计；从第 2 步起，每个分量都要除以它在若干步上梯度的 RMS，单个噪声值不再起决定作用。
-#
-# 在网格 (1, 2) 上跑三组、每组 3 步，就能看到这一点，并证明这是舍入问题，不是 bug：
+# 所以一个 1e-7 的分量（可能只是舍入噪声）会让对应权重移动将近一整步，换一种求和顺序就可能翻转它的符号。各实验让学习率从 0 开始预热（`--warmup-steps 5`，大多数 Transformer 训练配方都这么做）：第 1 步只用来填充 AdamW 的矩估计，从第 2 步起，单个噪声值不再起决定作用。在网格 (1, 2) 上各跑 3 步，比较有无预热、fp32 与 float64：
 
 # %%
 no_warmup = ["--tp", 2, "--steps", 3, "--check-parity", "--parity-tol", "1e-2",
@@ -298,9 +296,7 @@ gaps = [m["parity_max_abs_diff"] for m in parity_runs.values()]
 assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
 
 # %% [markdown]
-# 不预热时，有少数参数相差约 1e-4，而损失值在舍入误差内一致。换成 float64，同一个程序一致到约 1e-13：两边算的是同一个函数，fp32 下的差距是被 AdamW 放大的舍入误差。加上预热后，fp32 一致性回到约 1e-7。
-#
-# 当你自己的一致性检查只差一点没通过时，用 `--parity-dtype float64` 来判断：两种 dtype 下都有差距，是 bug；只在 fp32 下有差距，是舍入误差。
+# 不预热时，有少数参数相差约 1e-4，而损失值一致；换成 float64，同一个程序一致到约 1e-13，所以 fp32 下的差距是被 AdamW 放大的舍入误差，不是 bug。加上预热后，fp32 一致性回到约 1e-7。当你自己的一致性检查只差一点没通过时，用 `--parity-dtype float64` 来判断：两种 dtype 下都有差距，是 bug；只在 fp32 下有差距，是舍入误差。
 #
 # ### 每个 rank 的显存占用与 tp 的关系
 
