@@ -146,3 +146,14 @@ def test_a_fenced_block_in_another_language_stays_verbatim():
 def test_sources_file_lists_only_pages_that_exist():
     recorded = json.loads(i18n.SOURCES.read_text())
     assert all((REPO / path).exists() for path in recorded), recorded
+
+
+def test_every_search_alias_is_explained_on_its_page():
+    """An alias (i18n/zh/search-aliases.yml) leads a Chinese search to a page whose title rightly
+    avoids the word: the page must exist and say the word in its text."""
+    aliases = yaml.safe_load((i18n.ZH / "search-aliases.yml").read_text())
+    assert aliases
+    for entry in aliases:
+        page = i18n.ZH / entry["page"]
+        assert page.exists(), entry
+        assert entry["alias"] in page.read_text(), entry

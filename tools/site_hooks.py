@@ -496,18 +496,35 @@ def explained_messages():
     return explained
 
 
+def search_aliases(lang):
+    """{search index location of a page: [the aliases readers search it by]}: the Chinese
+    edition's i18n/zh/search-aliases.yml (the English has none)."""
+    import yaml
+
+    aliases_file = site_i18n.ZH / "search-aliases.yml"
+    if lang == "en" or not aliases_file.exists():
+        return {}
+    aliases = {}
+    for entry in yaml.safe_load(aliases_file.read_text()):
+        aliases.setdefault(entry["page"].replace(".md", ".html"), []).append(entry["alias"])
+    return aliases
+
+
 @event_priority(-100)  # after the search plugin has written its index
 def on_post_build(config):
-    """Give each section the error index links to the messages it explains, in MESSAGES_FIELD."""
+    """Give each section the error index links to the messages it explains, and each page
+    the aliases it is searched by, in MESSAGES_FIELD."""
     path = Path(config.site_dir) / "search" / "search_index.json"
     index = json.loads(path.read_text())
     explained = explained_messages()
+    for location, aliases in search_aliases(site_i18n.language(config)).items():
+        explained.setdefault(location, []).extend(aliases)
     for doc in index["docs"]:
         if doc["location"] in explained:
             doc[MESSAGES_FIELD] = "\n".join(explained.pop(doc["location"]))
     if explained:  # a link of the index to a section the search does not have
-        raise ValueError(f"error index links to sections missing from the search index of "
-                         f"{config.site_dir}: {sorted(explained)}")
+        raise ValueError(f"error index or search aliases point at sections missing from the "
+                         f"search index of {config.site_dir}: {sorted(explained)}")
     path.write_text(json.dumps(index, ensure_ascii=False, separators=(",", ":")))
 
 
