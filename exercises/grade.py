@@ -4,7 +4,9 @@
     python exercises/grade.py zero1 path/to/my_zero1.py   # grades any file with the contract
     python exercises/grade.py ddp --timeout 10            # seconds a check may run (30)
 
-Exercises: ddp (DDP by hand), zero1 (a ZeRO-1 sharded optimizer). The grader starts its own
+Exercises, in course order: ddp (DDP by hand), zero1 (a ZeRO-1 sharded optimizer), fsdp
+(FSDP by hand), tp (tensor parallel by hand), pipeline (GPipe and 1F1B by hand), ring (ring
+attention by hand), moe (MoE dispatch and combine). The grader starts its own
 ranks (2, or 3 where uneven splits matter) on gloo on 127.0.0.1, so run it with plain
 python, not torchrun. It prints one line per check (PASS/FAIL, the check, what differed and
 by how much) and a verdict; the exit status is 0 only when every check passed. It refuses,

@@ -463,6 +463,10 @@ else:
 #
 # ## Exercises
 #
+# - **Graded:** DDP by hand (broadcast, gradient hooks, buckets overlapped with backward). Fill in `exercises/ddp.py`, then run
+#   `python exercises/grade.py ddp`: it checks your code against one process, check by check
+#   ([the exercises](../exercises/README.md)).
+#
 # 1. **`--bucket-cap-mb`**: predict the number of all-reduces per backward for a cap of 0.1 MiB
 #    with the rule above, then check it with `ddp_workers.count_buckets`.
 #    Self-check: `assert per_backward <= math.ceil(558_336 / (0.1 * 2**20))`.

@@ -618,6 +618,13 @@ assert (major, minor) >= (2, 6)
 #
 # ## Exercises
 #
+# - **Graded:** a ZeRO-1 sharded optimizer. Fill in `exercises/zero1.py`, then run
+#   `python exercises/grade.py zero1`: it checks your code against one process, check by check
+#   ([the exercises](../exercises/README.md)).
+# - **Graded:** FSDP by hand (shard, all-gather, free, reduce-scatter). Fill in `exercises/fsdp.py`, then run
+#   `python exercises/grade.py fsdp`: it checks your code against one process, check by check
+#   ([the exercises](../exercises/README.md)).
+#
 # 1. Run the lab with `--hsdp 2` and then `--hsdp 4` on 4 processes: what do `layout` and
 #    `state_bytes_per_rank` in the metrics say, and why does `--hsdp 4` equal DDP's memory?
 # 2. Set `--vocab-size 66` with 4 processes: the embedding no longer splits evenly. Compare

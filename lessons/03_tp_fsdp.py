@@ -501,6 +501,10 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all 
 #
 # ## Exercises
 #
+# - **Graded:** column- and row-parallel layers by hand, with their collectives written out. Fill in `exercises/tp.py`, then run
+#   `python exercises/grade.py tp`: it checks your code against one process, check by check
+#   ([the exercises](../exercises/README.md)).
+#
 # 1. `--tp`: run `torchrun --nproc-per-node 4 labs/lab03_tp_fsdp.py --tp 4 --count-comms` and
 #    `--tp 1`; compare `comm_wire_bytes_per_step` in the metrics JSON.
 # 2. `--sequence-parallel` with `--seq-len 30 --tp 4`: read the error, then fix `--seq-len`.

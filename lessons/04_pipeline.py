@@ -401,6 +401,10 @@ plt.show()
 #
 # ## Exercises
 #
+# - **Graded:** GPipe and 1F1B by hand, over send and recv. Fill in `exercises/pipeline.py`, then run
+#   `python exercises/grade.py pipeline`: it checks your code against one process, check by check
+#   ([the exercises](../exercises/README.md)).
+#
 # 1. **`--microbatches`**: rerun 1F1B with 8 and 16 microbatches (`--batch-size 32`); predict the
 #    formula's bubble first. Self-check: `assert bubble(2, 16) < bubble(2, 8) < bubble(2, 4)`.
 # 2. **`--stages-per-rank`**: run Interleaved1F1B with 1, 2 and 4 stages per rank

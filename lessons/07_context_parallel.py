@@ -496,6 +496,10 @@ assert "_scaled_dot_product_flash_attention_for_cpu" in library[0]["error"]
 #
 # ## Exercises
 #
+# - **Graded:** ring attention by hand. Fill in `exercises/ring.py`, then run
+#   `python exercises/grade.py ring`: it checks your code against one process, check by check
+#   ([the exercises](../exercises/README.md)).
+#
 # 1. At p = 8, how many blocks does each rank compute under the contiguous split, and the
 #    zig-zag one? Check with `block_owner_grid(8, ...)`.
 # 2. Ring attention sends (p-1)/p of the keys and values per layer, forward. How much does

@@ -384,6 +384,10 @@ for p, ranks in ep_runs.items():
 #
 # ## Exercises
 #
+# - **Graded:** MoE dispatch and combine with all_to_all_single. Fill in `exercises/moe.py`, then run
+#   `python exercises/grade.py moe`: it checks your code against one process, check by check
+#   ([the exercises](../exercises/README.md)).
+#
 # 1. With p = 8 ranks, 4096 tokens per rank, k = 8, dim 7168 and bf16, how many bytes does
 #    one MoE layer's dispatch send per rank, with a uniform router?
 # 2. Why does expert parallelism need the counts exchanged before the tokens? What would

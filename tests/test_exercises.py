@@ -21,7 +21,12 @@ NAMES = tuple(runpy.run_path(str(EXERCISES / "grading" / "__init__.py"))["EXERCI
 MAX_WALL_S = 60
 # What an untouched stub's NotImplementedError must name: the first function to write.
 STUB_FUNCTIONS = {"ddp": "implement HandDDP.__init__",
-                  "zero1": "implement ZeroOneOptimizer.__init__"}
+                  "zero1": "implement ZeroOneOptimizer.__init__",
+                  "fsdp": "implement HandFSDP.__init__",
+                  "tp": "implement ColumnParallelLinear.__init__",
+                  "moe": "implement dispatch",
+                  "pipeline": "implement run_gpipe",
+                  "ring": "implement ring_attention_forward"}
 # exercises/wrong/<file> -> what the grader's output must say about its mistake
 MISTAKES = {
     "ddp_averaged_twice.py": "averaged twice? your grads are 0.50x the reference",
@@ -35,6 +40,26 @@ MISTAKES = {
     "zero1_uneven_split.py": "does your split drop the remainder (8 params over 3 ranks)?",
     "zero1_weight_decay_everywhere.py": "only the weight_decay=0.0 group differs",
     "zero1_zero_grad_own_shard.py": "zero every parameter's grad, not only your shard's",
+    "fsdp_backward_on_freed_params.py": "backward ran on freed params: all-gather them again",
+    "fsdp_bf16_master_shards.py": "the master shards stay fp32, whatever the compute dtype",
+    "fsdp_floor_shard_size.py": "numel // world_size drops the remainder",
+    "fsdp_never_free.py": "after backward (4 of 4): never freed?",
+    "fsdp_no_backward_gather.py": "0 all-gathers during backward, expected 4",
+    "fsdp_summed_grads.py": "summed but not averaged? your grad shards are 2.00x the reference",
+    "tp_missing_f_backward.py": "f's backward must all-reduce the input gradient",
+    "tp_row_averaged.py": "averaged the partial sums? g must sum them",
+    "tp_row_reduced_twice.py": "all-reduced in backward too? g's backward is the identity",
+    "tp_wrong_split_dim.py": "split the wrong dim? column-parallel splits the output dim",
+    "moe_recv_as_send.py": "each rank used its own send counts as output_split_sizes",
+    "moe_unsorted_combine.py": "combine must put each returned row back at the token it came",
+    "moe_unweighted.py": "multiply each by its router weight",
+    "pipeline_1f1b_warmup_p.py": "1F1B warms up with min(m, p - rank) = 1 on this stage",
+    "pipeline_gpipe_backward_reversed.py": "backwards in reverse microbatch order (B3 B2 B1 B0)",
+    "pipeline_loss_not_scaled.py": "your grads are 4.00x the reference: divide each microbatch's",
+    "pipeline_no_grad_sent_back.py": "stage 0's .grad is None: no gradient came back from stage 1",
+    "ring_average_merge.py": "merged by averaging? your out is the plain average",
+    "ring_mask_every_block.py": "the causal mask is applied to every block",
+    "ring_rotate_k_only.py": "every block used this rank's own v",
 }
 WRONG = sorted((EXERCISES / "wrong").glob("*.py"))
 README = (EXERCISES / "README.md").read_text()
@@ -182,4 +207,31 @@ def finish_gradient_sync(wrapper):
     assert ("rank 1: your code raised ValueError: rank 1 gave up [finish_gradient_sync"
             in failing[0]), failing[0]
     assert "Traceback" not in proc.stdout + proc.stderr
+    assert wall < MAX_WALL_S
+
+
+def test_ring_forward_only_passes_the_forward_and_is_not_complete(tmp_path):
+    """The ring's backward is optional: not attempted, it does not stop the forward's checks,
+    but the verdict counts it as not passed (exercises/README.md says so)."""
+    forward_only = write(tmp_path / "forward_only.py", f"""
+import importlib.util
+path = {str(EXERCISES / "solutions" / "ring.py")!r}
+spec = importlib.util.spec_from_file_location("reference_ring", path)
+reference = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reference)
+ring_attention_forward = reference.ring_attention_forward
+
+def ring_attention_backward(q, k, v, out, lse, dout, causal):
+    raise NotImplementedError("implement ring_attention_backward")
+""")
+    proc, wall = grade("ring", forward_only)
+    lines = check_lines(proc.stdout)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    for line in lines:
+        if "backward (optional)" in line:
+            assert line.startswith("FAIL"), line
+            assert "not attempted: NotImplementedError" in line or "the same as above" in line
+        else:
+            assert line.startswith("PASS"), line
+    assert proc.stdout.rstrip().endswith("verdict: 6/9 checks passed"), proc.stdout
     assert wall < MAX_WALL_S

@@ -4,8 +4,9 @@ Every page a reader reads has a Chinese counterpart under i18n/zh/, at the same 
 docs/onboarding.md -> i18n/zh/docs/onboarding.md, runbooks/x.md -> i18n/zh/runbooks/x.md,
 lessons/NN_x.py -> i18n/zh/lessons/NN_x.py (the same Jupytext file with its markdown cells
 translated and its code cells untouched), labs/labNN_x.py -> i18n/zh/labs/labNN_x.md (its
-docstring, which the lab's page shows), and tools/templates/x.md (the prose of a generated page)
--> i18n/zh/tools/templates/x.md.
+docstring, which the lab's page shows), tools/templates/x.md (the prose of a generated page)
+-> i18n/zh/tools/templates/x.md, and exercises/README.md (the exercises page) ->
+i18n/zh/exercises/README.md.
 
 A translation must keep what people grep for and what the site links to: every fenced code
 block and every inline code span, every link target, and the heading structure (the Chinese
@@ -57,7 +58,8 @@ def english_sources():
     lessons = sorted(p for p in (ROOT / "lessons").glob("*.py") if LESSON.fullmatch(p.name))
     labs = sorted(p for p in (ROOT / "labs").glob("*.py") if LAB.fullmatch(p.name))
     templates = sorted((ROOT / "tools" / "templates").glob("*.md"))
-    return pages + lessons + labs + templates
+    exercises = sorted((ROOT / "exercises").glob("README.md"))  # the exercises track's page
+    return pages + lessons + labs + templates + exercises
 
 
 def is_generated(page):

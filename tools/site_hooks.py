@@ -373,6 +373,12 @@ def on_files(files, config):
     add_generated(files, config, "labs/index.md", labs_index(lang))
     add_generated(files, config, "reference/torchrun-flags.md", torchrun_flags_page(lang))
     add_generated(files, config, "javascripts/error-messages.js", error_messages_script())
+    # The exercises track: its README, the page a code host shows for exercises/, in each language.
+    exercises = ROOT / "exercises" / "README.md"
+    add_generated(files, config, "exercises/README.md",  # MkDocs serves it as exercises/index
+                  (exercises if lang == "en" else i18n.zh_path(exercises)).read_text())
+    if lang != "en":
+        ENGLISH_MARKDOWN["exercises/README.md"] = exercises.read_text()
     runbooks_root = ROOT if lang == "en" else site_i18n.ZH  # holds runbooks/
     for name in ["index.md", *(p.name for p in runbook_paths())]:
         if (runbooks_root / "runbooks" / name).exists():
@@ -438,7 +444,8 @@ def on_config(config):
                         "reference/torchrun-flags.md"])
     onboarding = [{say["Start here"]: "onboarding.md"}] if (docs / "onboarding.md").exists() else []
     config.nav = [{say["Home"]: "index.md"}, *onboarding, {say["Lessons"]: lessons},
-                  {say["Labs"]: labs}, {say["Runbooks"]: runbooks},
+                  {say["Labs"]: labs}, {say["Exercises"]: "exercises/README.md"},
+                  {say["Runbooks"]: runbooks},
                   *([{say["Reference"]: reference}] if reference else [])]
     return config
 
@@ -459,9 +466,15 @@ def on_template_context(context, template_name, config):
 
 
 # Lessons are written to work in JupyterLab, where a link is a file path
-# (../runbooks/index.md, ../labs/lab01_ddp.py). On the site those are .html pages.
-_REPO_LINK = re.compile(r'href="((?:\.\./)*(?:lessons|labs|runbooks)/[^"#]+?)\.(md|ipynb|py)'
-                        r'(#[^"]*)?"')
+# (../runbooks/index.md, ../labs/lab01_ddp.py, ../exercises/README.md). On the site those are
+# .html pages (a README is its folder's index).
+_REPO_LINK = re.compile(r'href="((?:\.\./)*(?:lessons|labs|runbooks|exercises)/[^"#]+?)'
+                        r'\.(md|ipynb|py)(#[^"]*)?"')
+
+
+def site_link(match):
+    path = re.sub(r"(^|/)README$", r"\1index", match.group(1))
+    return f'href="{path}.html{match.group(3) or ""}"'
 
 
 # Search weights, read by the search plugin from page.meta (kept here, not in front matter, so
@@ -556,7 +569,7 @@ def on_page_content(html, page, config, files):
     if settings:
         page.meta["search"] = {**settings, **(page.meta.get("search") or {})}
     if page.file.src_uri.endswith(".ipynb"):
-        html = _REPO_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(3) or ""}"', html)
+        html = _REPO_LINK.sub(site_link, html)
         if site_i18n.language(config) != "en":  # the English lesson's anchors
             english = lesson_tools.executed_path(Path(page.file.src_uri).stem + ".py")
             html = site_i18n.lesson_with_english_anchors(

@@ -26,10 +26,10 @@ HEADING_LINE = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
 # The words the hooks write on generated pages and in the nav.
 WORDS = {
     "en": {"Home": "Home", "Start here": "Start here", "Lessons": "Lessons", "Labs": "Labs",
-           "Runbooks": "Runbooks", "Reference": "Reference",
+           "Exercises": "Exercises", "Runbooks": "Runbooks", "Reference": "Reference",
            "Not in the index yet": "Not in the index yet"},
     "zh": {"Home": "首页", "Start here": "从这里开始", "Lessons": "课程", "Labs": "实验",
-           "Runbooks": "排障手册", "Reference": "参考", "Not in the index yet": "尚未列入索引"},
+           "Exercises": "练习", "Runbooks": "排障手册", "Reference": "参考", "Not in the index yet": "尚未列入索引"},
 }
 LANGUAGES = [("en", "English"), ("zh", "简体中文")]
 

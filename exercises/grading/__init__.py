@@ -5,8 +5,13 @@ This file imports nothing heavy: grade.py refuses an unknown exercise or a missi
 it alone, before torch is imported.
 """
 
-# exercise name -> the module (in this package) that defines its EXERCISE
+# exercise name -> the module (in this package) that defines its EXERCISE, in course order
 EXERCISES = {
-    "ddp": "ddp_checks",
-    "zero1": "zero1_checks",
+    "ddp": "ddp_checks",            # lesson 01
+    "zero1": "zero1_checks",        # lesson 02
+    "fsdp": "fsdp_checks",          # lesson 02
+    "tp": "tp_checks",              # lesson 03
+    "pipeline": "pipeline_checks",  # lesson 04
+    "ring": "ring_checks",          # lesson 07
+    "moe": "moe_checks",            # lesson 08
 }

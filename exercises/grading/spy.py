@@ -68,3 +68,45 @@ class CollectiveSpy:
     def __exit__(self, *exc_info):
         for owner, attr, original in reversed(self._patched):
             setattr(owner, attr, original)
+
+
+class Message(NamedTuple):
+    kind: str  # "send" or "recv"
+    peer: int  # the other rank, numbered in the group the message went through
+    nbytes: int
+
+
+class PointToPointSpy:
+    """While active (`with spy:`), every point-to-point message this rank posts is recorded in
+    `messages`. dist.send, recv, isend, irecv and batch_isend_irecv all end in
+    ProcessGroup.send / ProcessGroup.recv, so those two are wrapped on the class: the learner
+    may use any of the five, and P2POp's own check (op is dist.isend) still sees the
+    original functions. A message is recorded when it is posted, whether or not it completes."""
+
+    def __init__(self):
+        self.messages = []
+
+    def _wrap(self, kind, original):
+        def recorded(group, tensors, peer, *args, **kwargs):
+            self.messages.append(Message(kind, peer, sum(t.nbytes for t in tensors)))
+            return original(group, tensors, peer, *args, **kwargs)
+        return recorded
+
+    def __enter__(self):
+        # Restored from the class's own __dict__: getattr would give the unbound builtin,
+        # which, set back on the class, no longer binds self.
+        self._originals = {kind: vars(dist.ProcessGroup)[kind] for kind in ("send", "recv")}
+        for kind in self._originals:
+            setattr(dist.ProcessGroup, kind, self._wrap(kind, getattr(dist.ProcessGroup, kind)))
+        return self
+
+    def __exit__(self, *exc_info):
+        for kind, original in self._originals.items():
+            setattr(dist.ProcessGroup, kind, original)
+
+    def count(self, kind, peer=None):
+        return sum(m.kind == kind and (peer is None or m.peer == peer) for m in self.messages)
+
+    def bytes(self, kind, peer=None):
+        return sum(m.nbytes for m in self.messages
+                   if m.kind == kind and (peer is None or m.peer == peer))

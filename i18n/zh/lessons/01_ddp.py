@@ -367,6 +367,8 @@ else:
 #
 # ## 练习
 #
+# - **带评分：** 手写 DDP（广播、梯度钩子、与反向传播重叠的分桶）。填写 `exercises/ddp.py`，然后运行 `python exercises/grade.py ddp`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
+#
 # 1. **`--bucket-cap-mb`**：用上面的规则预测上限为 0.1 MiB 时每次反向传播的 all-reduce 次数，再用 `ddp_workers.count_buckets` 验证。自测：`assert per_backward <= math.ceil(558_336 / (0.1 * 2**20))`。
 # 2. **`set_epoch`**：在实验脚本的副本中注释掉 `sampler.set_epoch(epoch)`，证明 epoch 2 看到的顺序与 epoch 1 相同（提示：打印 `list(sampler)` 的前几个索引）。
 # 3. **单进程参考**：修改 `train_reference`，让它每步只用一个大 batch（把各微批次拼接起来，grad_accum 取 1），在 4 个 rank 上测量一致性；然后把优化器换成 SGD 再测一次。解释两者的差异。

@@ -502,6 +502,9 @@ assert (major, minor) >= (2, 6)
 #
 # ## 练习
 #
+# - **带评分：** ZeRO-1 分片优化器。填写 `exercises/zero1.py`，然后运行 `python exercises/grade.py zero1`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
+# - **带评分：** 手写 FSDP（分片、all-gather、释放、reduce-scatter）。填写 `exercises/fsdp.py`，然后运行 `python exercises/grade.py fsdp`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
+#
 # 1. 在 4 个进程上先用 `--hsdp 2`、再用 `--hsdp 4` 运行实验：指标中的 `layout` 和 `state_bytes_per_rank` 说明了什么？为什么 `--hsdp 4` 的显存与 DDP 相同？
 # 2. 用 4 个进程、设置 `--vocab-size 66`：embedding 不再能均匀切分。把 `state_bytes_per_rank` 与 `est.estimate_per_rank(None, 4, "zero3", shapes=...)` 对比。
 # 3. 用 `--steps 40` 对比 `--reshard-after-forward false` 与 `true`：比较 `tokens_per_s` 和 `unsharded_param_bytes_after_forward`。在 GPU 上还要比较 `peak_mem_bytes_per_rank`。

@@ -425,6 +425,8 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp 组跨越�
 #
 # ## 练习
 #
+# - **带评分：** 手写列并行和行并行层，集合通信全部自己写。填写 `exercises/tp.py`，然后运行 `python exercises/grade.py tp`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
+#
 # 1. `--tp`：运行 `torchrun --nproc-per-node 4 labs/lab03_tp_fsdp.py --tp 4 --count-comms`，再用 `--tp 1` 运行，比较 metrics JSON 中的 `comm_wire_bytes_per_step`。
 # 2. `--sequence-parallel` 搭配 `--seq-len 30 --tp 4`：读一读报错信息，然后改正 `--seq-len`。
 # 3. `--loss-parallel`：比较启用和不启用它时 `all_gather_into_tensor` 的字节数。哪个张量不再需要 all-gather 了？

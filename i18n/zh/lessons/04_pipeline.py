@@ -321,6 +321,8 @@ plt.show()
 #
 # ## 练习
 #
+# - **带评分：** 用 send 和 recv 手写 GPipe 和 1F1B。填写 `exercises/pipeline.py`，然后运行 `python exercises/grade.py pipeline`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
+#
 # 1. **`--microbatches`**：用 8 和 16 个微批次（`--batch-size 32`）重新运行 1F1B；先预测公式给出的气泡。自检：`assert bubble(2, 16) < bubble(2, 8) < bubble(2, 4)`。
 # 2. **`--stages-per-rank`**：分别用每个 rank 1、2、4 个阶段运行 Interleaved1F1B（`--num-layers 8`），把回放得到的气泡与 `bubble(2, 4, v)` 比较。
 # 3. **4 个 rank 上的 `--schedule GPipe` 与 `1F1B`**：`--nproc-per-node 4 --microbatches 8`；预测每个 rank 在途的微批次数（GPipe：全部为 8；1F1B：4、3、2、1）。

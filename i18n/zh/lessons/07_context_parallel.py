@@ -396,6 +396,8 @@ assert "_scaled_dot_product_flash_attention_for_cpu" in library[0]["error"]
 #
 # ## 练习
 #
+# - **带评分：** 手写环形注意力。填写 `exercises/ring.py`，然后运行 `python exercises/grade.py ring`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
+#
 # 1. p = 8 时，在连续切分和首尾切分下，每个 rank 分别计算多少个块？用 `block_owner_grid(8, ...)` 验证。
 # 2. 环形注意力的前向传播每层发送 (p-1)/p 的 key 和 value。反向传播发送多少？阅读 `ring_attention_backward`，数一数。
 # 3. 为什么反向传播计算一个块的梯度时不需要其他块？（提示：保存下来的 log-sum-exp 已经知道了什么？）

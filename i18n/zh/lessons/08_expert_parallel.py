@@ -301,6 +301,8 @@ for p, ranks in ep_runs.items():
 #
 # ## 练习
 #
+# - **带评分：** 用 all_to_all_single 实现 MoE 的分发与合并。填写 `exercises/moe.py`，然后运行 `python exercises/grade.py moe`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
+#
 # 1. 在 p = 8 个 rank、每个 rank 4096 个 token、k = 8、dim 7168、bf16 的条件下，使用均匀路由器时，一个 MoE 层的分发每个 rank 要发送多少字节？
 # 2. 为什么专家并行需要先交换计数，再发送 token？如果不传 `output_split_sizes`，`all_to_all_single` 会怎么做？
 #
