@@ -53,6 +53,8 @@ README_COMMANDS = {
         "test_the_readme_plan_command",
     ".venv/bin/jupyter lab lessons/":
         "test_jupyter_and_publishing.py::test_jupyter_opens_each_lesson_as_a_notebook",
+    "python exercises/grade.py ddp":
+        "test_exercises.py::test_untouched_stub_fails_naming_the_function",
     "python tools/i18n.py status": "test_the_i18n_commands",
     "python tools/i18n.py check i18n/zh/<path>": "test_the_i18n_commands",
     "python tools/i18n.py stamp i18n/zh/<path>": "test_the_i18n_commands",
