@@ -101,6 +101,24 @@ def test_the_checker_catches_changed_code_links_headings_and_avoided_terms(tiny_
         assert any(expected in p for p in i18n.problems_of(chinese)), expected
 
 
+def test_every_linked_page_goes_by_one_title():
+    """A reader meets one Chinese name for one page: `tools/i18n.py check` names the link whose
+    title (its text before any "：" or "，") differs from the other links to that page."""
+    problems = [f"{zh.relative_to(REPO)}: {problem}" for zh, problem in i18n.link_title_problems()]
+    assert problems == [], "\n".join(problems[:40])
+
+
+def test_the_title_check_catches_a_second_name_for_a_page(tiny_course):
+    _, chinese = tiny_course
+    other = chinese.with_name("other.md")
+    other.write_text("另见[这里：为什么](b.md#why)和 `[不算](b.md)`。\n")
+    assert i18n.link_title_problems([chinese, other]) == []  # a section after "：" is fine
+    other.write_text("另见[那一页](b.md)。\n")
+    problems = i18n.link_title_problems([chinese, other, other])
+    assert [zh.name for zh, _ in problems] == ["page.md"]  # the odd one out, not the usual title
+    assert "calls it '这里'" in problems[0][1] and "call it '那一页'" in problems[0][1]
+
+
 def test_a_lesson_translation_must_keep_every_code_cell(tmp_path, monkeypatch):
     english = REPO / "lessons" / "01_ddp.py"
     zh_root = tmp_path / "zh"

@@ -14,13 +14,16 @@ headings get the English anchors at build time, so links into a page work in bot
 Code is compared with its comments set aside (Python and shell: code, flags and strings stay
 verbatim, the `#` comments are translated); other blocks (output, YAML) stay verbatim.
 It must use the glossary's terms (i18n/zh/terms.yml), not the variants it lists as avoided.
+Across the Chinese pages, every link to a page names it by one title: the link text's part
+before the first "：" or "，" (what follows may name a section: "集合通信超时：快速排查").
 
 i18n/zh/sources.json records, per Chinese page, the sha256 of the English source it was
 translated from. An English edit changes the hash, and tests/test_i18n.py names the page until
 its translation is updated and stamped again.
 
 Usage:
-    python tools/i18n.py check [ZH_PATH ...]   structure, code, links, terms (default: all)
+    python tools/i18n.py check [ZH_PATH ...]   structure, code, links, terms (default: all), and
+                                               one title per linked page across the pages
     python tools/i18n.py stamp ZH_PATH ...     record the English source's current hash
     python tools/i18n.py status                missing, stale and orphaned translations
 """
@@ -29,6 +32,7 @@ import ast
 import hashlib
 import io
 import json
+import os
 import re
 import sys
 import tokenize
@@ -198,6 +202,66 @@ def markdown_problems(english_text, chinese_text):
     return problems
 
 
+LINK_WITH_TEXT = re.compile(r"\[((?:[^\[\]\n`]|`[^`\n]*`)+)\]\(([^)\s#]+)(?:#[^)\s]*)?(?:\s+\"[^\"]*\")?\)")
+TITLE_END = re.compile(r"[：，]")
+
+
+def site_dir(zh):
+    """The folder a Chinese page's relative links start from on the site."""
+    relative = Path(zh).resolve().relative_to(ZH)
+    if relative.parts[:2] == ("tools", "templates"):
+        return Path("reference")  # tools/decision_guide.py writes the page there
+    parts = relative.parts[1:] if relative.parts[0] == "docs" else relative.parts
+    return Path(*parts).parent
+
+
+def prose_of(zh):
+    """A page's text outside fenced blocks (a lesson's: its markdown cells)."""
+    zh = Path(zh)
+    if zh.suffix == ".py":
+        return "\n\n".join(without_fences(source) for kind, source in lesson_cells(zh)
+                           if kind == "markdown")
+    return without_fences(zh.read_text())
+
+
+def page_links(zh):
+    """(target page on the site, link text) of each link to a page of the course."""
+    prose = prose_of(zh)
+    spans = [m.span() for m in CODE_SPAN.finditer(prose)]
+    links = []
+    for m in LINK_WITH_TEXT.finditer(prose):
+        target = m.group(2)
+        if "://" in target or not target.endswith((".md", ".ipynb")):
+            continue
+        if any(start <= m.start() < end for start, end in spans):
+            continue  # a link written inside a code span is code
+        links.append((os.path.normpath(site_dir(zh) / target), m.group(1)))
+    return links
+
+
+def link_title_problems(pages=None):
+    """Each link whose title (its text before any "：" or "，") differs from the title most links
+    to that page use: a reader should meet one name for one page."""
+    if pages is None:
+        pages = [zh_path(e) for e in english_sources() if zh_path(e).exists()]
+    uses = {}
+    for zh in pages:
+        for target, text in page_links(zh):
+            title = TITLE_END.split(text, 1)[0].strip()
+            uses.setdefault(target, []).append((title, Path(zh).resolve()))
+    problems = []
+    for target, found in sorted(uses.items()):
+        counts = Counter(title for title, _ in found)
+        if len(counts) < 2:
+            continue
+        usual = max(sorted(counts), key=counts.get)
+        for title, zh in found:
+            if title != usual:
+                problems.append((zh, f"a link to {target} calls it {title!r}; the other links "
+                                     f"call it {usual!r} (one title per page)"))
+    return problems
+
+
 def lesson_cells(path):
     import jupytext
 
@@ -268,9 +332,12 @@ def main(argv):
     command, paths = (argv[0] if argv else "status"), argv[1:]
     if command == "check":
         paths = paths or [zh_path(e) for e in english_sources() if zh_path(e).exists()]
+        titles = {}
+        for zh, problem in link_title_problems():
+            titles.setdefault(zh, []).append(problem)
         bad = 0
         for zh in paths:
-            for problem in problems_of(zh):
+            for problem in problems_of(zh) + titles.get(Path(zh).resolve(), []):
                 bad += 1
                 print(f"{Path(zh).resolve().relative_to(ROOT)}: {problem}")
         print(f"{len(paths)} pages checked, {bad} problems")

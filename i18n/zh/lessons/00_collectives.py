@@ -338,7 +338,7 @@ else:
         assert per_rank["reduce_scatter"] > 1.9 * BUSBW_FACTOR["reduce_scatter"](n)
 
 # %% [markdown]
-# all-reduce 和 all-gather 发送的字节数与环形算法完全一致。reduce-scatter 不是这样：gloo 两种形式都接受，但底层是先对整个张量做 all-reduce，再留下自己那一块，所以在 gloo 上 **一次 reduce-scatter 的代价等于一次 all-reduce**，是环形 reduce-scatter 字节数的两倍。第 06 课在 CPU 上预测 FSDP 的单步耗时时用到了这一点。NCCL 运行的是真正的环形 reduce-scatter，每个 rank 发送 (n-1)/n S（*仅限 GPU，未在 CI 中执行*）。
+# all-reduce 和 all-gather 发送的字节数与环形算法完全一致。reduce-scatter 不是这样：gloo 两种形式都接受，但底层是先对整个张量做 all-reduce，再留下自己那一块，所以在 gloo 上 **一次 reduce-scatter 的代价等于一次 all-reduce**，是环形 reduce-scatter 字节数的两倍。第 06 课在 CPU 上预测 FSDP 的步耗时时用到了这一点。NCCL 运行的是真正的环形 reduce-scatter，每个 rank 发送 (n-1)/n S（*仅限 GPU，未在 CI 中执行*）。
 
 # %% [markdown]
 # ### 后续各课的并行策略如何使用这些操作
@@ -474,6 +474,6 @@ assert seconds_4gb > b * grad_bytes > 0
 #
 # ## 出问题时
 #
-# - 某个单元停在 `run_workers` 上，然后抛出 `TimeoutError`：有一个 rank 没有加入某次集合通信（某个 rank 上调用的顺序或次数不同），或者它先挂掉了；超时把卡死变成了报错。排障手册（[索引](../runbooks/index.md)）会深入讲解卡死和超时。
+# - 某个单元停在 `run_workers` 上，然后抛出 `TimeoutError`：有一个 rank 没有加入某次集合通信（某个 rank 上调用的顺序或次数不同），或者它先挂掉了；超时把卡死变成了报错。排障手册（[排障手册索引](../runbooks/index.md)）会深入讲解卡死和超时。
 # - 关于尺寸不匹配的 `RuntimeError`：传给集合通信的张量在每个 rank 上必须具有相同的形状和 dtype（`recv` 的缓冲区也一样）。
 # - 报错说 gloo 不支持 `reduce_scatter` 或 `ReduceOp.AVG`：torch 版本低于 2.8。这里的辅助函数会自动回退（`cw.GLOO_HAS_AVG_AND_REDUCE_SCATTER`）；你自己的代码也必须这样做，或者改用 NCCL。

@@ -105,13 +105,13 @@ assert len(plain.read_text().splitlines()) < 50 and len(changed) < 35  # 含 doc
 #
 # 1. **创建进程组**，并显式指定超时，让卡住的对端变成一个报错，而不是卡死（GPU 上：先调用 `torch.cuda.set_device(local_rank)`，再使用 `nccl`）。
 # 2. **用 `DistributedDataParallel` 包装模型**：它先把 rank 0 的权重 broadcast 给所有 rank，然后在 `backward()` 期间对梯度做 all-reduce。
-# 3. **让每个 rank 读不同的数据**：使用 `DistributedSampler`，每个 rank 的 batch 大小为 `BATCH // world_size`，并在每个 epoch 调用 `set_epoch(epoch)`（不调用的话，每个 epoch 都会重复第一个 epoch 的顺序，见[排障手册](../runbooks/dataloader-same-order-every-epoch.md)）。
+# 3. **让每个 rank 读不同的数据**：使用 `DistributedSampler`，每个 rank 的 batch size 为 `BATCH // world_size`，并在每个 epoch 调用 `set_epoch(epoch)`（不调用的话，每个 epoch 都会重复第一个 epoch 的顺序，见[每个 epoch 顺序相同](../runbooks/dataloader-same-order-every-epoch.md)）。
 # 4. **只在 rank 0 上打印和保存**，保存的是 `model.module`，这样键名不会带 `module.` 前缀。
 # 5. **训练结束时销毁进程组**（`dist.destroy_process_group()`），让每个 rank 都干净地退出作业。
 #
 # <details><summary>为什么脚本在 main() 之外创建和销毁进程组</summary>
 #
-# DDP 模型持有进程组。如果销毁进程组时模型还活着，gloo 的 rank 退出时可能报 `terminate called without an active exception` 并中止。所以模型只存在于 `main()` 之内，它返回之后、销毁进程组之前再调用 `gc.collect()`（引用环可能让模型一直存活；不调用它时，这里 12 次运行中仍有 2 次中止）。[退出时卡死排障手册，原因 D](../runbooks/exit-hang.md) 里有对应的演练。
+# DDP 模型持有进程组。如果销毁进程组时模型还活着，gloo 的 rank 退出时可能报 `terminate called without an active exception` 并中止。所以模型只存在于 `main()` 之内，它返回之后、销毁进程组之前再调用 `gc.collect()`（引用环可能让模型一直存活；不调用它时，这里 12 次运行中仍有 2 次中止）。[退出时卡死，原因 D](../runbooks/exit-hang.md) 里有对应的演练。
 # </details>
 #
 # 下面把两个脚本都实际跑一遍：一个进程处理整个 batch，两个 DDP rank 各处理一半。
@@ -135,7 +135,7 @@ assert plain_state.keys() == ddp_state.keys() and script_parity <= 1e-5
 # %% [markdown]
 # 得到的是同一个模型，差异只在舍入误差范围内：两个半 batch 梯度的平均值就是整个 batch 的梯度。数据顺序也一致，因为 `DistributedSampler(seed=0)` 和普通脚本的 `RandomSampler` 在每个 epoch 抽出的 `randperm` 相同，而 DDP 的 rank r 从中每隔 `world_size` 个索引取一个。
 #
-# 实验脚本做的是同样的事，再加上长时间训练任务需要的东西：梯度累积（除最后一个微步外都使用 `no_sync()`，即它的 `gradient_sync`，由工具包的 `train_step` 在每个微步外层进入）、检查点、日志和故障处理。（它的 `init_distributed()` 还会构建一个可以安全重启的 store，原因见[重启时卡死](../runbooks/restart-hang.md)。）
+# 实验脚本做的是同样的事，再加上长时间训练作业需要的东西：梯度累积（除最后一个微步外都使用 `no_sync()`，即它的 `gradient_sync`，由工具包的 `train_step` 在每个微步外层进入）、检查点、日志和故障处理。（它的 `init_distributed()` 还会构建一个可以安全重启的 store，原因见[重启后卡死](../runbooks/restart-hang.md)。）
 
 # %%
 print(inspect.getsource(lab.apply_ddp))
@@ -236,7 +236,7 @@ gap = max(abs(a - b) for (_, a), b in zip(ddp2["losses"], ddp2["reference_losses
 assert gap < 1e-5 and ddp2["final_loss"] < 1.0
 
 # %% [markdown]
-# 关于这个单进程参考，有一个微妙之处。它在一个进程中累积每个 rank 各个微批次的梯度，这恰好就是全局 batch 的平均梯度；把 16 条序列当作一个大 batch，算出的是同一个均值，只是求和顺序不同，相差约 1e-8。在 AdamW 的第一步，这样的舍入误差可能让一个权重移动整整一步，所以各实验都让学习率预热：不预热时，3 个 rank 就达不到 1e-5（实测 1.4e-5，见 `tests/test_odd_world_sizes.py`）。[第 03 课实测了原因](03_tp_fsdp.ipynb#why-fp32-parity-needs-warmup-adamws-first-step)；下面的练习 3 让你在这里亲眼看到它。
+# 关于这个单进程参考，有一个微妙之处。它在一个进程中累积每个 rank 各个微批次的梯度，这恰好就是全局 batch 的平均梯度；把 16 条序列当作一个大 batch，算出的是同一个均值，只是求和顺序不同，相差约 1e-8。在 AdamW 的第一步，这样的舍入误差可能让一个权重移动整整一步，所以各实验都让学习率预热：不预热时，3 个 rank 就达不到 1e-5（实测 1.4e-5，见 `tests/test_odd_world_sizes.py`）。原因的实测见[第 03 课：fp32 一致性为什么需要预热](03_tp_fsdp.ipynb#why-fp32-parity-needs-warmup-adamws-first-step)；下面的练习 3 让你在这里亲眼看到它。
 #
 # 在 4 个进程上使用梯度累积（每个优化器步 2 个微步，第一个使用 `no_sync`），结果也一样。本实验默认的全局 batch 是每个 rank、每个微步 8 条序列，因此会随 world size 增大；用 `--batch-size 16` 可以让它与 2 个 rank 时的全局 batch 保持一致：
 
@@ -254,7 +254,7 @@ assert abs(ddp4["final_loss"] - ddp2["final_loss"]) < 1e-4
 #
 # ### 得不到梯度的参数
 #
-# 每次反向传播，DDP 都要等到每个参数的梯度。forward 从不使用的分支（冻结的输出头、依赖输入的 `if`）永远交不出梯度，于是*下一次* forward 会失败。`find_unused_parameters=True` 让 DDP 在每次 forward 之后遍历 autograd 图，把这类参数标记为就绪（每步都有 CPU 开销，所以只在需要时开启）：
+# 每次反向传播，DDP 都要等到每个参数的梯度。前向从不使用的分支（冻结的输出头、依赖输入的 `if`）永远交不出梯度，于是*下一次*前向会失败。`find_unused_parameters=True` 让 DDP 在每次前向之后遍历 autograd 图，把这类参数标记为就绪（每步都有 CPU 开销，所以只在需要时开启）：
 
 # %%
 broken = run_workers(ddp_workers.unused_parameters, 2, False)[0]
@@ -270,7 +270,7 @@ assert fixed["error"] is None
 # %% [markdown]
 # ### BatchNorm 统计量各自漂移
 #
-# buffer（缓冲区）不是梯度：DDP 从不对它们做 all-reduce。默认情况下，DDP 在每次 forward 开始时把 rank 0 的 buffer 复制到所有 rank（`forward_sync_buffers=True`，在 torch 2.13 之前叫 `broadcast_buffers`，现在使用旧名字会发出警告）。所以各 rank 在每次 forward 开始时是一致的，随后各自用自己的数据更新滑动统计量，而 rank 0 保存的检查点只包含 rank 0 那份数据的统计量。如果关掉这个选项，各 rank 之间的差距会一步比一步大。这里两个 rank 看到的数据均值不同：
+# buffer（缓冲区）不是梯度：DDP 从不对它们做 all-reduce。默认情况下，DDP 在每次前向开始时把 rank 0 的 buffer 复制到所有 rank（`forward_sync_buffers=True`，在 torch 2.13 之前叫 `broadcast_buffers`，现在使用旧名字会发出警告）。所以各 rank 在每次前向开始时是一致的，随后各自用自己的数据更新滑动统计量，而 rank 0 保存的检查点只包含 rank 0 那份数据的统计量。如果关掉这个选项，各 rank 之间的差距会一步比一步大。这里两个 rank 看到的数据均值不同：
 
 # %%
 for sync in (True, False):
@@ -287,7 +287,7 @@ assert 0 < gap_synced < gap_drifted
 assert result["sync_by_hand_vs_whole_batch"] < 1e-6
 
 # %% [markdown]
-# *应该*用来归一化一个全局 batch 的统计量，是它在所有 rank 样本上的均值。手动实现的话，就是对每个 rank 的 batch 均值做一次 all-reduce（方差同理），结果与单进程在整个 batch 上的计算在舍入误差内一致（上面已经断言）。`torch.nn.SyncBatchNorm` 在 forward 中做的正是这件事；在用 DDP 包装模型之前，先用 `nn.SyncBatchNorm.convert_sync_batchnorm(model)` 转换模型。它只能在 GPU 上运行：在 CPU 上，它的 forward 会抛出 `SyncBatchNorm expected input tensor to be on GPU or XPU or
+# *应该*用来归一化一个全局 batch 的统计量，是它在所有 rank 样本上的均值。手动实现的话，就是对每个 rank 的 batch 均值做一次 all-reduce（方差同理），结果与单进程在整个 batch 上的计算在舍入误差内一致（上面已经断言）。`torch.nn.SyncBatchNorm` 在前向中做的正是这件事；在用 DDP 包装模型之前，先用 `nn.SyncBatchNorm.convert_sync_batchnorm(model)` 转换模型。它只能在 GPU 上运行：在 CPU 上，它的前向会抛出 `SyncBatchNorm expected input tensor to be on GPU or XPU or
 # privateuseone`，所以下一个单元只在有 GPU 的环境中运行。
 
 # %%
@@ -372,7 +372,7 @@ else:
 # 1. **`--bucket-cap-mb`**：用上面的规则预测上限为 0.1 MiB 时每次反向传播的 all-reduce 次数，再用 `ddp_workers.count_buckets` 验证。自测：`assert per_backward <= math.ceil(558_336 / (0.1 * 2**20))`。
 # 2. **`set_epoch`**：在实验脚本的副本中注释掉 `sampler.set_epoch(epoch)`，证明 epoch 2 看到的顺序与 epoch 1 相同（提示：打印 `list(sampler)` 的前几个索引）。
 # 3. **单进程参考**：修改 `train_reference`，让它每步只用一个大 batch（把各微批次拼接起来，grad_accum 取 1），在 4 个 rank 上测量一致性；然后把优化器换成 SGD 再测一次。解释两者的差异。
-# 4. **恢复训练**：先用 `--checkpoint-dir ckpt --stop-at-step 15` 运行，再去掉 `--stop-at-step` 运行一次；把最终的检查点与一次未中断运行的结果比较（`torch.equal`）。
+# 4. **断点续训**：先用 `--checkpoint-dir ckpt --stop-at-step 15` 运行，再去掉 `--stop-at-step` 运行一次；把最终的检查点与一次未中断运行的结果比较（`torch.equal`）。
 #
 # <details><summary>练习 1 的参考答案</summary>
 #
@@ -381,6 +381,6 @@ else:
 #
 # ## 出问题时
 #
-# - 启动时或在某次集合通信中卡死：见[排障手册](../runbooks/index.md)。
-# - 显存不足：每个 rank 都持有完整模型；请从[排障手册](../runbooks/index.md)找到 OOM 相关的条目，并参考第 02 课。
+# - 启动时或在某次集合通信中卡死：见[排障手册索引](../runbooks/index.md)。
+# - 显存不足：每个 rank 都持有完整模型；请从[排障手册索引](../runbooks/index.md)找到 OOM 相关的条目，并参考第 02 课。
 # - 一个 rank 很慢，其他 rank 超时：通常是数据加载的问题；实验的日志行会显示每步等待数据的时间占比（`data N%`）。

@@ -90,7 +90,7 @@ assert 480 < activations_70b / 2**30 < 490  # 约 485 GiB：是表中所列状�
 assert activations_70b > 25 * e70.total_bytes
 
 # %% [markdown]
-# 所以训练 70B 模型还需要激活检查点（用重计算代替存储）、张量并行或序列并行（第 03 课），或者流水线阶段（第 04 课）。
+# 所以训练 70B 模型还需要激活检查点（又称激活重计算：用重计算代替存储）、张量并行或序列并行（第 03 课），或者流水线阶段（第 04 课）。
 #
 # 下一项是*临时的未分片单元*：一个 block 在计算时必须是完整的。一个 Llama-2-70B block（dim 8192，MLP 隐藏层 28672，8 个 128 维的 KV head）约有 0.86B 参数，bf16 下为 1.6 GiB；在预取下一个 block 期间，约为它的两倍：
 
@@ -186,7 +186,7 @@ gathers = {u: sum(1 for unit, phase, _, _ in bars if unit == u and phase.startsw
 assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
 
 # %% [markdown]
-# 从上往下看。每个 block 在 forward 之前先 all-gather，forward 结束后立即释放（那条深色细条）；反向传播时再 all-gather 一次，而且 FSDP 会提前一个 block 发出这次 all-gather（`backward_prefetch`，浅蓝色）：layers.1 的反向传播还没开始算，layers.0 的 gather 就已经发出了。每个 block 的反向传播一结束，它的梯度就立即做 reduce-scatter。根单元只 gather 一次：FSDP 让它从 forward 到反向传播一直保持完整，因为反向传播是从输出投影开始的。
+# 从上往下看。每个 block 在前向之前先 all-gather，前向结束后立即释放（那条深色细条）；反向传播时再 all-gather 一次，而且 FSDP 会提前一个 block 发出这次 all-gather（`backward_prefetch`，浅蓝色）：layers.1 的反向传播还没开始算，layers.0 的 gather 就已经发出了。每个 block 的反向传播一结束，它的梯度就立即做 reduce-scatter。根单元只 gather 一次：FSDP 让它从前向到反向传播一直保持完整，因为反向传播是从输出投影开始的。
 #
 # 这次 CPU 运行展示不了的是重叠。在 gloo 上，每个集合通信都要执行完，下一段计算才会开始，所以各个色条首尾相接地排开。在 GPU 上，FSDP2 在单独的 CUDA stream 上执行 all-gather 和 reduce-scatter，所以预取的 all-gather 确实会与当前 block 的计算同时进行（见 torch 2.13 中 `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` 的 `all_gather_stream` 和 `reduce_scatter_stream`；仅限 GPU，这里没有测量）。这份跟踪还暴露了 gloo 的一个细节：reduce-scatter 实际上是用 all-reduce 完成的（每个 `post_backward_reduce` 里都有一个 `gloo:all_reduce`）。
 #
@@ -296,9 +296,9 @@ plt.show()
 # PyTorch 对阶段 1 和阶段 3 有原生工具：`ZeroRedundancyOptimizer`（阶段 1：优化器状态分片）和 `fully_shard`（阶段 3）。有两种不同的东西都被叫作“ZeRO-2”，所以本页给它们起了不同的名字：
 #
 # - 估算器中的 **`zero2`** 是经典的 ZeRO-2（DeepSpeed 的阶段 2）：梯度和优化器状态分片，每个 rank 始终持有一份完整参数。
-# - 这里实测的 **`fsdp_no_reshard`** 是 `fully_shard(..., reshard_after_forward=False)`：两步之间，一切都像阶段 3 一样分片，但每个 block gather 出来的参数会从它的 forward 一直保留到它的反向传播，所以训练步进行中的峰值包含完整参数。
+# - 这里实测的 **`fsdp_no_reshard`** 是 `fully_shard(..., reshard_after_forward=False)`：两步之间，一切都像阶段 3 一样分片，但每个 block gather 出来的参数会从它的前向一直保留到它的反向传播，所以训练步进行中的峰值包含完整参数。
 #
-# 最后一列是 forward 与反向传播之间仍然存活的完整参数的字节数：
+# 最后一列是前向与反向传播之间仍然存活的完整参数的字节数：
 
 # %%
 ws4 = measured[4]
@@ -318,7 +318,7 @@ assert ws4[0]["zero3"]["unsharded_after_forward"] < 0.1 * full_bytes   # 只有�
 print("HSDP layout of layers.0.attention.wq.weight:", ws4[0]["hsdp"]["layout"])
 
 # %% [markdown]
-# ZeRO-1 以整个张量为单位在 rank 之间分配（按大小贪心分配），所以各 rank 的份额并不均匀；估算器的均匀切分是理想情况。`fsdp_no_reshard` 和 ZeRO-3 在两步之间持有的状态相同，区别在于训练步进行中有哪些数据存活。在阶段 3 下，forward 之后仍保持 gather 状态的只有根单元的参数（embedding、最终的 norm、输出层：`fully_shard` 让根单元保持完整，因为反向传播从它开始）。
+# ZeRO-1 以整个张量为单位在 rank 之间分配（按大小贪心分配），所以各 rank 的份额并不均匀；估算器的均匀切分是理想情况。`fsdp_no_reshard` 和 ZeRO-3 在两步之间持有的状态相同，区别在于训练步进行中有哪些数据存活。在阶段 3 下，前向之后仍保持 gather 状态的只有根单元的参数（embedding、最终的 norm、输出层：`fully_shard` 让根单元保持完整，因为反向传播从它开始）。
 #
 # ## 运行实验
 #
@@ -348,11 +348,11 @@ plt.show()
 assert losses[-1] < 0.7 * losses[0]
 
 # %% [markdown]
-# 其他值得一试的选项（都由 `tests/test_lab02_fsdp.py` 覆盖）：`--hsdp 2`（2 个副本 x 2 个分片）、`--reshard-after-forward false`、`--grad-accum 2`（使用 `set_requires_gradient_sync(False)`）、`--mixed-precision bf16`、`--activation-checkpointing`、`--cpu-offload`、`--compile`，以及先用 `--checkpoint-dir` 加 `--stop-at-step` 运行，再换一个 world size 用 `--resume` 恢复训练：DCP 在加载时会对检查点重新分片。
+# 其他值得一试的选项（都由 `tests/test_lab02_fsdp.py` 覆盖）：`--hsdp 2`（2 个副本 x 2 个分片）、`--reshard-after-forward false`、`--grad-accum 2`（使用 `set_requires_gradient_sync(False)`）、`--mixed-precision bf16`、`--activation-checkpointing`、`--cpu-offload`、`--compile`，以及先用 `--checkpoint-dir` 加 `--stop-at-step` 运行，再换一个 world size 用 `--resume` 断点续训：DCP 在加载时会对检查点重新分片。
 #
 # ### 实测每个选项的代价
 #
-# 每个选项一行，2 个 rank，实验模型（`fsdp_workers.flag_matrix_row`）：每个 rank 在一步之后持有的字节数、每步发送的字节数、autograd 为反向传播保存的激活值、forward 内部的 dtype（`layers.0.feed_forward.w1` 的权重和输出），以及第一步的耗时和之后五步耗时的中位数。
+# 每个选项一行，2 个 rank，实验模型（`fsdp_workers.flag_matrix_row`）：每个 rank 在一步之后持有的字节数、每步发送的字节数、autograd 为反向传播保存的激活值、前向内部的 dtype（`layers.0.feed_forward.w1` 的权重和输出），以及第一步的耗时和之后五步耗时的中位数。
 
 # %%
 rows = {label: run_workers(fsdp_workers.flag_matrix_row, 2, label, timeout_s=300)[0]
@@ -380,16 +380,16 @@ assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
 # %% [markdown]
 # 逐行解读这张表：
 #
-# - **`--amp bf16`**（配合 `--mixed-precision fp32` 运行，因为这个策略的默认值 `auto` 会跟随 `--amp`）只开 autocast，与 lab01 中一样：forward 中权重仍是 fp32，每个 matmul 把输入转换成 bf16，所以*激活值*是 bf16（保存的字节更少），而 FSDP 仍然 all-gather fp32 权重：网络上传输的字节一点没少。
+# - **`--amp bf16`**（配合 `--mixed-precision fp32` 运行，因为这个策略的默认值 `auto` 会跟随 `--amp`）只开 autocast，与 lab01 中一样：前向中权重仍是 fp32，每个 matmul 把输入转换成 bf16，所以*激活值*是 bf16（保存的字节更少），而 FSDP 仍然 all-gather fp32 权重：网络上传输的字节一点没少。
 # - **`--mixed-precision bf16`** 是 FSDP 自己的 `MixedPrecisionPolicy(param_dtype=bfloat16,
-#   reduce_dtype=float32)`：FSDP 在 all-gather *之前*就把每个分片转换成 bf16，所以 gather 传输的字节减半，block 也用 bf16 计算；梯度仍以 fp32 做 reduce-scatter，分片后的参数和 AdamW 状态也仍是 fp32。它不需要 autocast：在 forward 和反向传播中，参数本身就是 bf16。在 GPU 上这是实验的默认设置（`--mixed-precision auto` 跟随 `--amp`：GPU 支持 bf16 时用 bf16，不支持时用 fp16 加 GradScaler）；在 CPU 上默认仍是 fp32，以保证一致性。
-# - **`--activation-checkpointing`** 只保留每个 block 的输入，其余的在反向传播中重新计算：在生成本页的那次运行中，保存的字节数降到约 1/9（断言：降幅超过 5 倍），代价是每个 block 多做一次 forward。重计算时，参数已经为反向传播 gather 好了，所以不会增加通信字节。
+#   reduce_dtype=float32)`：FSDP 在 all-gather *之前*就把每个分片转换成 bf16，所以 gather 传输的字节减半，block 也用 bf16 计算；梯度仍以 fp32 做 reduce-scatter，分片后的参数和 AdamW 状态也仍是 fp32。它不需要 autocast：在前向和反向传播中，参数本身就是 bf16。在 GPU 上这是实验的默认设置（`--mixed-precision auto` 跟随 `--amp`：GPU 支持 bf16 时用 bf16，不支持时用 fp16 加 GradScaler）；在 CPU 上默认仍是 fp32，以保证一致性。
+# - **`--activation-checkpointing`** 只保留每个 block 的输入，其余的在反向传播中重新计算：在生成本页的那次运行中，保存的字节数降到约 1/9（断言：降幅超过 5 倍），代价是每个 block 多做一次前向。重计算时，参数已经为反向传播 gather 好了，所以不会增加通信字节。
 # - **`--cpu-offload`** 把分片状态和优化器步放在 CPU 上，每个单元 all-gather 时再把它复制到 GPU。在只有 CPU 的机器上无处可卸载：这一行测得的字节数与默认相同，也说明不了它在 GPU 上的代价。
-# - **`--compile`**（inductor，逐 block 编译）把编译开销付在第一步，既不改变通信字节，也不改变保存的激活值；在这个很小的 CPU 模型上，稳定后的单步耗时几乎不变。第 06 课会在计算占主导的场景下测量它。
+# - **`--compile`**（inductor，逐 block 编译）把编译开销付在第一步，既不改变通信字节，也不改变保存的激活值；在这个很小的 CPU 模型上，稳定后的步耗时几乎不变。第 06 课会在计算占主导的场景下测量它。
 #
 # 步耗时是这台 2 核机器上的数字，模型又这么小，Python 开销和 gloo 占了大头；所以这些时间只打印、不断言，唯一的例外是断言编译在第一步花掉的时间超过它省下的时间。
 #
-# **HSDP 在各网格维度上的字节数。** 在 4 个 rank 上用 `--hsdp 2` 时，all-gather 和 reduce-scatter 都留在各自的分片组内（快速的节点内维度）；只有梯度*分片*的 all-reduce 会跨越复制维度：
+# **HSDP 在各网格轴上的字节数。** 在 4 个 rank 上用 `--hsdp 2` 时，all-gather 和 reduce-scatter 都留在各自的分片组内（快速的节点内维度）；只有梯度*分片*的 all-reduce 会跨越复制维度：
 
 # %%
 hsdp = run_workers(fsdp_workers.flag_matrix_row, 4, "--hsdp 2", timeout_s=300)[0]
@@ -508,12 +508,12 @@ assert (major, minor) >= (2, 6)
 # 1. 在 4 个进程上先用 `--hsdp 2`、再用 `--hsdp 4` 运行实验：指标中的 `layout` 和 `state_bytes_per_rank` 说明了什么？为什么 `--hsdp 4` 的显存与 DDP 相同？
 # 2. 用 4 个进程、设置 `--vocab-size 66`：embedding 不再能均匀切分。把 `state_bytes_per_rank` 与 `est.estimate_per_rank(None, 4, "zero3", shapes=...)` 对比。
 # 3. 用 `--steps 40` 对比 `--reshard-after-forward false` 与 `true`：比较 `tokens_per_s` 和 `unsharded_param_bytes_after_forward`。在 GPU 上还要比较 `peak_mem_bytes_per_rank`。
-# 4. 用 `--checkpoint-dir ckpt --stop-at-step 20` 中途停下一次 4 进程的运行，再用 2 个进程加 `--resume` 恢复训练，并把 loss 与一次未中断的运行对比。
+# 4. 用 `--checkpoint-dir ckpt --stop-at-step 20` 中途停下一次 4 进程的运行，再用 2 个进程加 `--resume` 断点续训，并把 loss 与一次未中断的运行对比。
 # 5. 用估算器算一算你自己的模型：`python labs/memory_estimator.py --params 8e9
 #    --world-size 8 --param-bytes 2 --grad-bytes 2 --master-weights`。
 #
 # ## 出问题时
 #
-# - 显存不足，或显存占用高于估算值：见 [OOM：分布式场景特有的原因](../runbooks/oom-distributed-causes.md)和 [OOM：缓解办法](../runbooks/oom-mitigations.md)。
-# - 某个 rank 卡在 all-gather 或 reduce-scatter 中：实验中的每一次等待都受 `--timeout-s`（默认 120 s）约束，它会传给 `init_process_group` 和每个网格维度（`init_mesh()`：否则 `init_device_mesh` 创建的子进程组在 gloo 上会等 30 分钟，在 NCCL 上等 10 分钟），所以卡住的集合通信会变成一个报错，而不是悄无声息地卡死（[集合通信超时，原因 D](../runbooks/collective-timeout.md)）。
-# - 恢复训练时选错了检查点：只有包含 DCP `.metadata` 的 `step_*` 目录才算数（`lab.latest_checkpoint`）；`.tmp` 目录是一次没有完成的保存。
+# - 显存不足，或显存占用高于估算值：见 [只在多 rank 时显存不足](../runbooks/oom-distributed-causes.md)和 [显存不足的缓解手段](../runbooks/oom-mitigations.md)。
+# - 某个 rank 卡在 all-gather 或 reduce-scatter 中：实验中的每一次等待都受 `--timeout-s`（默认 120 s）约束，它会传给 `init_process_group` 和每个网格轴（`init_mesh()`：否则 `init_device_mesh` 创建的子进程组在 gloo 上会等 30 分钟，在 NCCL 上等 10 分钟），所以卡住的集合通信会变成一个报错，而不是悄无声息地卡死（[集合通信超时，原因 D](../runbooks/collective-timeout.md)）。
+# - 断点续训时选错了检查点：只有包含 DCP `.metadata` 的 `step_*` 目录才算数（`lab.latest_checkpoint`）；`.tmp` 目录是一次没有完成的保存。

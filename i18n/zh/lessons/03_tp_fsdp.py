@@ -20,7 +20,7 @@
 # - 用数字说明为什么张量并行（TP）应该放在节点内部的高速链路上，而 FSDP 负责跨节点；
 # - 手动把一个 MLP 先按列并行、再按行并行切分，并在前向和反向上与 `nn.Linear` 逐一对照；
 # - 读懂 2D `("dp", "tp")` 设备网格上 DTensor 的放置方式，说出每个 rank（进程编号）持有什么；
-# - 为每个 Transformer 块编写 TP 计划（`ColwiseParallel`、`RowwiseParallel`、`SequenceParallel`、`PrepareModuleInput`、loss parallel），在 `fully_shard` 之前应用它，并校验计划中的键；
+# - 为每个 Transformer block 编写 TP 计划（`ColwiseParallel`、`RowwiseParallel`、`SequenceParallel`、`PrepareModuleInput`、loss parallel），在 `fully_shard` 之前应用它，并校验计划中的键；
 # - 根据 Megatron-LM 的分析预测一步里会出现哪些集合通信，再用 `CommDebugMode` 验证；
 # - 为真实集群规划布局：8 个节点 x 8 块 GPU、tp = 4，对应的网格是 (16, 4)。
 #
@@ -97,7 +97,7 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 # %% [markdown]
 # 每个微批次几十 GB，而且压在每一层的关键路径上：节点内不到十分之一秒，跨节点则要大半秒，每个微批次都是如此。
 #
-# FSDP 的通信量更小，而且不在关键路径上：在*每个*微批次的前向中，它对每个块的参数做一次 all-gather，反向中再做一次（梯度累积省不掉这些）；如果其余微步关闭了梯度同步，它每步只对梯度做一次 reduce-scatter。这些通信都可以与计算重叠。因此采用 2D 布局：**节点内用 TP，跨节点用 FSDP。**
+# FSDP 的通信量更小，而且不在关键路径上：在*每个*微批次的前向中，它对每个 block 的参数做一次 all-gather，反向中再做一次（梯度累积省不掉这些）；如果其余微步关闭了梯度同步，它每步只对梯度做一次 reduce-scatter。这些通信都可以与计算重叠。因此采用 2D 布局：**节点内用 TP，跨节点用 FSDP。**
 #
 # ## 从零开始：先列并行，再行并行
 #
@@ -168,7 +168,7 @@ assert all(local == replicated[0] for local in replicated)  # 每个 rank 都持
 # %% [markdown]
 # ## 使用 PyTorch：实验中的计划
 #
-# `labs/lab03_tp_fsdp.py` **逐个 Transformer 块**应用 Megatron 计划，键名相对于块本身；之后再单独处理嵌入层和输出投影。下面是实验构建出的计划（分别为不带和带序列并行）：
+# `labs/lab03_tp_fsdp.py` **逐个 Transformer block**应用 Megatron 计划，键名相对于 block 本身；之后再单独处理嵌入层和输出投影。下面是实验构建出的计划（分别为不带和带序列并行）：
 
 # %%
 cfg = lab.parse_config(["--tp", "1"])
@@ -188,8 +188,8 @@ for key, style in lab.root_plan(cfg).items():
 # - **注意力头。** 对 `wq/wk/wv` 使用 `ColwiseParallel` 后，每个 rank 分到 `num_heads / tp` 个头。实验中的 `Attention` 根据投影宽度推断头数（`view(bsz, seq, -1,
 #   head_dim)`），所以不用改任何模块属性；`inspect_tp_fsdp` 会断言本地宽度。
 # - 在 `attention` 和 `feed_forward` 上使用 **`PrepareModuleInput(..., use_local_output=False)`**：三个投影共享同一个 DTensor 输入，反向时先把它们的输入梯度相加，只做**一次** all-reduce（Megatron 的 `f`），而不是每个投影各做一次。
-# - **序列并行。** 块与块之间的激活值是 `Shard(1)`（按序列维切分）；归一化层只处理本地的 token；进入注意力/MLP 时做 all-gather，离开时做 reduce-scatter。
-# - **顺序。** 先应用 TP，再在 `"dp"` 子网格上对每个块和根模块调用 `fully_shard`。
+# - **序列并行。** block 与 block 之间的激活值是 `Shard(1)`（按序列维切分）；归一化层只处理本地的 token；进入注意力/MLP 时做 all-gather，离开时做 reduce-scatter。
+# - **顺序。** 先应用 TP，再在 `"dp"` 子网格上对每个 block 和根模块调用 `fully_shard`。
 #
 # 在 (2, 2) 网格上，每个权重最终都带有 2D 放置方式。分片后的参数（优化器实际更新的对象）分布在全部四个 rank 上；FSDP 沿 `"dp"` 做完 all-gather（`unshard()`）之后，矩阵乘法看到的是 tp 本地切片：
 
@@ -210,7 +210,7 @@ assert layout[0]["params"]["attention_norm.weight"]["tp_placements"] == "-"  # �
 #
 # ## 哪里会出错
 #
-# 在 4 个 rank 上演示四种错误：把块级的键交给根模型、先 FSDP 后 TP，以及两种错误的网格大小。
+# 在 4 个 rank 上演示四种错误：把 block 级的键交给根模型、先 FSDP 后 TP，以及两种错误的网格大小。
 
 # %%
 per_rank = [r["mistakes"] for r in tour]
@@ -234,7 +234,7 @@ assert "Mesh should not be bigger than default world size" in mistakes["mesh_too
 #
 # 四个 rank，三种网格形状 (dp, tp) = (4, 1)、(2, 2)、(1, 4)，每种分别不带和带序列并行。每次运行都让每个 rank 的微批次保持为 4 条序列（`--batch-size 4 x dp`），这样对比结果只反映 TP 切分掉的那部分。
 #
-# `--check-parity` 在单个进程中用相同的批次训练，并以 fp32 逐一比较每个参数（误差在 1e-5 以内，见下文）；`--count-comms` 用 `CommDebugMode` 测量第 1 步，并统计 autograd 为反向保存的字节数。第一次运行启动的是真正的 torchrun，和你自己运行时一样；其余几次的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`）：每个 rank 的环境相同，在 2 核笔记本上每次约省 10 s 启动时间。
+# `--check-parity` 在单个进程中用相同的 batch 训练，并以 fp32 逐一比较每个参数（误差在 1e-5 以内，见下文）；`--count-comms` 用 `CommDebugMode` 测量第 1 步，并统计 autograd 为反向保存的字节数。第一次运行启动的是真正的 torchrun，和你自己运行时一样；其余几次的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`）：每个 rank 的环境相同，在 2 核笔记本上每次约省 10 s 启动时间。
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson03-"))
@@ -357,7 +357,7 @@ assert fsdp[0] > fsdp[1] > fsdp[2] and tp_traffic[1] > 10 * tp_traffic[0]
 #
 # ### 验证 Megatron-LM 的统计
 #
-# 按每个块计，这一分析预测：不用 SP 时，前向两次 all-reduce（在 `wo` 和 `w2` 之后），反向两次（注意力和 MLP 之前的 `f`）；用 SP 时，每次 all-reduce 都变成一对 all-gather / reduce-scatter；另外每个归一化层还要为其权重梯度做一次小的 all-reduce，因为每个 rank 只看到了自己的 token，这个梯度只是部分和。
+# 按每个 block 计，这一分析预测：不用 SP 时，前向两次 all-reduce（在 `wo` 和 `w2` 之后），反向两次（注意力和 MLP 之前的 `f`）；用 SP 时，每次 all-reduce 都变成一对 all-gather / reduce-scatter；另外每个归一化层还要为其权重梯度做一次小的 all-reduce，因为每个 rank 只看到了自己的 token，这个梯度只是部分和。
 
 # %%
 def tp_only(counts):
@@ -412,15 +412,15 @@ assert all(len({r // gpus_per_node for r in group}) == 1 for group in tp_groups)
 assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp 组跨越所有节点
 
 # %% [markdown]
-# 计划要逐块应用（`for block in model.layers.values(): parallelize_module(block,
-# mesh["tp"], block_plan)`），绝不能拿块级的相对键在根模块上一次性应用：这些键在根模块上什么也匹配不到，而且如上所示，PyTorch 只会发出警告。
+# 计划要逐个 block 应用（`for block in model.layers.values(): parallelize_module(block,
+# mesh["tp"], block_plan)`），绝不能拿 block 级的相对键在根模块上一次性应用：这些键在根模块上什么也匹配不到，而且如上所示，PyTorch 只会发出警告。
 #
 # ## 小结
 #
-# - TP 把一个块里的每个矩阵乘法切分到 TP 组的各个 rank 上：权重*和*激活值都会变小，代价是每一层内部都有集合通信，所以要把 TP 放在节点内的高速链路上。
-# - 先列并行再行并行，每半个块在前向和反向各需要一次 all-reduce；序列并行把每次 all-reduce 变成一对 all-gather / reduce-scatter，同时还切分了归一化层和残差流。
-# - 构建顺序：先建 2D 网格 `("dp", "tp")`，在 `mesh["tp"]` 上逐块调用 `parallelize_module`，然后在 `mesh["dp"]` 上对每个块和根模块调用 `fully_shard`。一定要校验计划中的键：拼写错误只会触发警告。
-# - DCP 检查点是分片保存的，并带有全局偏移量：实验的测试会把 (2, 2) 上保存的检查点放到 (4, 1) 和 (1, 2) 上恢复训练。
+# - TP 把一个 block 里的每个矩阵乘法切分到 TP 组的各个 rank 上：权重*和*激活值都会变小，代价是每一层内部都有集合通信，所以要把 TP 放在节点内的高速链路上。
+# - 先列并行再行并行，每半个 block 在前向和反向各需要一次 all-reduce；序列并行把每次 all-reduce 变成一对 all-gather / reduce-scatter，同时还切分了归一化层和残差流。
+# - 构建顺序：先建 2D 网格 `("dp", "tp")`，在 `mesh["tp"]` 上逐个 block 调用 `parallelize_module`，然后在 `mesh["dp"]` 上对每个 block 和根模块调用 `fully_shard`。一定要校验计划中的键：拼写错误只会触发警告。
+# - DCP 检查点是分片保存的，并带有全局偏移量：实验的测试会把 (2, 2) 上保存的检查点放到 (4, 1) 和 (1, 2) 上断点续训。
 # - TP 在数学上是精确的，但不是逐位一致的。AdamW 的第一步会让每个梯度远大于 eps 的权重移动约 `lr * sign(grad)`，所以要让学习率从 0 开始预热；这样 fp32 一致性可以保持在 ~1e-7。`--parity-dtype float64` 可以区分 bug 与舍入误差。
 #
 # ## 练习
@@ -436,6 +436,6 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp 组跨越�
 #
 # ## 出问题时
 #
-# - 加上 TP 后显存不足：见[显存不足排障手册](../runbooks/oom-mitigations.md)。
-# - 某个 rank 卡在集合通信里（常见原因是网格没有覆盖每个 rank，或各 rank 的计划不一致）：见[集合通信超时](../runbooks/collective-timeout.md)、[卡住的 rank](../runbooks/stuck-rank.md)。
-# - 启动阶段卡死：见[启动卡死](../runbooks/startup-hang.md)；其他问题：见[排障手册索引](../runbooks/index.md)。
+# - 加上 TP 后显存不足：见[显存不足的缓解手段](../runbooks/oom-mitigations.md)。
+# - 某个 rank 卡在集合通信里（常见原因是网格没有覆盖每个 rank，或各 rank 的计划不一致）：见[集合通信超时](../runbooks/collective-timeout.md)、[某个 rank 卡住或变慢](../runbooks/stuck-rank.md)。
+# - 启动阶段卡死：见[启动时卡死](../runbooks/startup-hang.md)；其他问题：见[排障手册索引](../runbooks/index.md)。

@@ -81,7 +81,7 @@ for p, m in [(4, 4), (8, 8), (8, 32)]:
     assert abs(r / (1 + r) - bubble(p, m)) < 1e-12  # 同一个调度，两种分母
 
 # %% [markdown]
-# 缩小气泡有两种办法：一是增加微批次数量（批次大小固定时，微批次随之变小，每个 kernel 的工作量也更少）；二是让每个 rank 承担 `v` 个更薄的阶段（*交错*）。后者的公式变为 `(p - 1) / (v m + p - 1)`，效果等同于把微批次数量增加到 `v` 倍，代价是发送次数也变为 `v` 倍。
+# 缩小气泡有两种办法：一是增加微批次数量（batch size 固定时，微批次随之变小，每个 kernel 的工作量也更少）；二是让每个 rank 承担 `v` 个更薄的阶段（*交错*）。后者的公式变为 `(p - 1) / (v m + p - 1)`，效果等同于把微批次数量增加到 `v` 倍，代价是发送次数也变为 `v` 倍。
 #
 # 零气泡调度更进一步，把反向拆成两部分：先算输入梯度，因为上一个阶段在等它；权重梯度留到后面算，用来填补空隙。
 #
@@ -105,7 +105,7 @@ print(f"pipeline loss {rank1['loss']:.6f} vs one process {ref_loss:.6f}; "
 assert abs(rank1["loss"] - ref_loss) < 1e-6 and worst < 1e-6
 
 # %% [markdown]
-# 损失相同，梯度也相同：把每个微批次的损失除以 `m`、再把各个梯度相加，得到的正是整个批次平均损失的梯度。下面把它画在共享时钟上，用的图和后面实验运行的图相同（颜色表示动作，标签表示微批次）：
+# 损失相同，梯度也相同：把每个微批次的损失除以 `m`、再把各个梯度相加，得到的正是整个 batch 平均损失的梯度。下面把它画在共享时钟上，用的图和后面实验运行的图相同（颜色表示动作，标签表示微批次）：
 
 # %%
 COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:green", "W": "tab:red"}
@@ -192,7 +192,7 @@ assert lab.stage_ids_for_rank(0, 2, loop_cfg) == [0, 2]
 #
 # 两个 rank，4 层，每步 4 个微批次。GPipe 和 1F1B 每个 rank 一个阶段（共 2 个阶段）；其余调度每个 rank 两个阶段（共 4 个阶段）。
 #
-# 每次运行都会在相同的批次上与单进程运行做一致性检查：每一步的损失、第一步的每个梯度、最后一步之后的每个参数，全部在 1e-5 以内。第一次运行启动的是真正的 torchrun，和你自己运行时一样；其余几次的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`），在 2 核笔记本上每次约省 10 s 启动时间。
+# 每次运行都会在相同的 batch 上与单进程运行做一致性检查：每一步的损失、第一步的每个梯度、最后一步之后的每个参数，全部在 1e-5 以内。第一次运行启动的是真正的 torchrun，和你自己运行时一样；其余几次的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`），在 2 核笔记本上每次约省 10 s 启动时间。
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson04-"))
@@ -303,13 +303,13 @@ plt.show()
 #
 # 每个阶段都在 `dp` 轴上用 `fully_shard` 分片；调度会把梯度的 reduce-scatter 推迟到最后一个微批次（`reshard_after_forward=False` 让阶段的参数在整步中保持未分片状态，否则每个微批次都要重新 all-gather 一次）。测试套件会运行 `torchrun --nproc-per-node 4 labs/lab04_pipeline.py --dp 2 --check-parity`，并与同一个单进程参考对照。
 #
-# 大型作业还会在每个阶段内部加上张量并行，构成 3-D 网格 `("pp", "dp", "tp")`：TP 在最内层，走最快的链路（节点内）；PP 在最外层，跨节点；FSDP 居中。第 05 课会在 8 个进程上用[实验 05](../labs/lab05_3d.md) 把它搭起来。
+# 大型作业还会在每个阶段内部加上张量并行，构成 3-D 网格 `("pp", "dp", "tp")`：TP 在最内层，走最快的链路（节点内）；PP 在最外层，跨节点；FSDP 居中。第 05 课会在 8 个进程上用[lab05_3d](../labs/lab05_3d.md) 把它搭起来。
 #
 # ## 何时选择流水线并行
 #
 # - 模型即使分片后也放不下，或者在你的互联上 FSDP 逐层的 all-gather 无法与计算重叠：PP 每个切分点、每个微批次只发送一个激活值。
-# - 你负担得起大量微批次（全局批次很大）：气泡要小，需要 `m >> p`。
-# - 各层结构一致（Transformer 块），各阶段容易均衡；首尾阶段上的嵌入层或大词表投影会打破均衡（在上面的回放中可以看到）。
+# - 你负担得起大量微批次（全局 batch 很大）：气泡要小，需要 `m >> p`。
+# - 各层结构一致（Transformer block），各阶段容易均衡；首尾阶段上的嵌入层或大词表投影会打破均衡（在上面的回放中可以看到）。
 # - 优先考虑 1F1B（省显存）或 Interleaved1F1B（气泡小）；只有当权重梯度的计算量大到足以填满空隙时，零气泡调度才划算。
 #
 # ## 小结
@@ -323,13 +323,13 @@ plt.show()
 #
 # - **带评分：** 用 send 和 recv 手写 GPipe 和 1F1B。填写 `exercises/pipeline.py`，然后运行 `python exercises/grade.py pipeline`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
 #
-# 1. **`--microbatches`**：用 8 和 16 个微批次（`--batch-size 32`）重新运行 1F1B；先预测公式给出的气泡。自检：`assert bubble(2, 16) < bubble(2, 8) < bubble(2, 4)`。
+# 1. **`--microbatches`**：用 8 和 16 个微批次（`--batch-size 32`）重新运行 1F1B；先预测公式给出的气泡。自查：`assert bubble(2, 16) < bubble(2, 8) < bubble(2, 4)`。
 # 2. **`--stages-per-rank`**：分别用每个 rank 1、2、4 个阶段运行 Interleaved1F1B（`--num-layers 8`），把回放得到的气泡与 `bubble(2, 4, v)` 比较。
 # 3. **4 个 rank 上的 `--schedule GPipe` 与 `1F1B`**：`--nproc-per-node 4 --microbatches 8`；预测每个 rank 在途的微批次数（GPipe：全部为 8；1F1B：4、3、2、1）。
-# 4. **`--dp 2`**：在 4 个 rank 上，把每个 rank 保存的激活值字节数与 2 个 rank 的运行比较（现在每条流水线只看到一半的批次）。
+# 4. **`--dp 2`**：在 4 个 rank 上，把每个 rank 保存的激活值字节数与 2 个 rank 的运行比较（现在每条流水线只看到一半的 batch）。
 #
 # ## 出问题时
 #
-# - 某个 rank 在发送或接收里一直等下去：各 rank 对调度或微批次数量的设置不一致；见[集合通信超时](../runbooks/collective-timeout.md)和[卡住的 rank](../runbooks/stuck-rank.md)。实验的 `--timeout-s` 会把这种等待变成报错。
-# - 使用 GPipe 时第一个阶段显存不足：换成 1F1B，见[显存不足的缓解办法](../runbooks/oom-mitigations.md)。
-# - 更多排障手册：[索引](../runbooks/index.md)。实验本身：[实验 04](../labs/lab04_pipeline.md)。
+# - 某个 rank 在发送或接收里一直等下去：各 rank 对调度或微批次数量的设置不一致；见[集合通信超时](../runbooks/collective-timeout.md)和[某个 rank 卡住或变慢](../runbooks/stuck-rank.md)。实验的 `--timeout-s` 会把这种等待变成报错。
+# - 使用 GPipe 时第一个阶段显存不足：换成 1F1B，见[显存不足的缓解手段](../runbooks/oom-mitigations.md)。
+# - 更多排障手册：[排障手册索引](../runbooks/index.md)。实验本身：[lab04_pipeline](../labs/lab04_pipeline.md)。

@@ -21,7 +21,7 @@
 # - 用课程的估算器，读出 70B 方案在 64 块和 512 块 GPU 上每块 GPU 的显存占用，并说明为什么只有打开激活检查点才放得下；
 # - 用 `labs/lab05_3d.py` 按 torchtitan 的顺序（先切分成阶段，再在每个 block 内做 TP，最后在 dp 上做 FSDP）构建 `("pp", "dp", "tp")` 设备网格，并按维度数出一步中的集合通信次数，与公式对照；
 # - 把三个维度的一步画在同一条时间线上；
-# - 证明三种布局训练出的模型与单进程训练的相同（一致性误差在 1e-5 以内），并且同一个检查点可以在三种不同的布局上恢复训练。
+# - 证明三种布局训练出的模型与单进程训练的相同（一致性误差在 1e-5 以内），并且同一个检查点可以在三种不同的布局上断点续训。
 #
 # 全部内容都能在笔记本电脑的 CPU 上运行：8 个 gloo 进程跑在 2 个核上。换到 GPU 上，同一个实验改用 NCCL。
 
@@ -152,7 +152,7 @@ print(inspect.getsource(lab.build_stage_module))
 # %% [markdown]
 # ## 一步中的集合通信，按维度计数
 #
-# 8 个进程，pp 2 x dp 2 x tp 2，使用实验的调试模型（4 个 block，每个阶段 2 个），4 个微批次。每个 rank 构建实验的流水线，记录自己在一步中发起的每一次集合通信和 send，并按所属组的网格维度归类（`threed_workers.AxisRecorder`）。每个 rank 每步的公式如下，其中 `m` 是微批次数，`L` 是本阶段上的 block 数：
+# 8 个进程，pp 2 x dp 2 x tp 2，使用实验的调试模型（4 个 block，每个阶段 2 个），4 个微批次。每个 rank 构建实验的流水线，记录自己在一步中发起的每一次集合通信和 send，并按所属组的网格轴归类（`threed_workers.AxisRecorder`）。每个 rank 每步的公式如下，其中 `m` 是微批次数，`L` 是本阶段上的 block 数：
 #
 # - **tp**：all-reduce 共 `m x (4 L + 1)` 次。每个 block 4 次，另加 1 次：在第一个阶段，是词嵌入前向的求和；在最后一个阶段，是输出投影那个被复制的输入的梯度。此外，最后一个阶段还有 `m` 次 all-gather（把按词表分片的 logits 拼成完整的，用来算 loss）。
 # - **dp**：每个 FSDP 单元每步一次 all-gather、一次 reduce-scatter，各 `L + 1` 次（各个 block，加上本阶段的根模块）。这是因为在 PP 下，权重在整个一步内都保持 gather 之后的状态。
@@ -245,14 +245,14 @@ for rank in range(4):  # pp 0 上的 rank；rank + 4 持有同一 (dp, tp) 位�
     assert f1[0][0] > f0[0][1], rank
 
 # %% [markdown]
-# ## 三种布局上的一致性，以及同一个检查点在三种布局上恢复训练
+# ## 三种布局上的一致性，以及同一个检查点在三种布局上断点续训
 #
 # 实验的 `--check-parity` 会在单个进程中用相同的全局 batch 重新训练一遍，然后比较最后一步之后的每个参数、第一步的梯度和每一步的 loss。计划如下，总共 12 步：
 #
 # 1. 在 pp 2 x dp 2 x tp 2 上不间断地跑完，得到 loss 的参考时间线；
 # 2. 同样的布局，在第 4 步停下，保存一个 DCP 检查点；
-# 3. 在 pp 1 x dp 2 x tp 4 上恢复训练（没有流水线，TP 跨 4 个 rank），在第 8 步停下；
-# 4. 在单进程（pp 1 x dp 1 x tp 1）中恢复训练，跑到第 12 步。
+# 3. 在 pp 1 x dp 2 x tp 4 上断点续训（没有流水线，TP 跨 4 个 rank），在第 8 步停下；
+# 4. 在单进程（pp 1 x dp 1 x tp 1）中断点续训，跑到第 12 步。
 #
 # 每一段恢复的训练也各自做一致性检查（它的参考从第 0 步开始训练），所以每种布局都与单进程对照过；而且串起来的 loss 必须与不间断那次运行的 loss 接得上。检查点以整个模型中的名字（`layers.3.attention.wq.weight`）保存每个张量，并记下每个分片的偏移量，所以任何布局都能读出自己需要的切片。第一次运行启动的是真正的 torchrun，和你自己运行时一样；后面三段的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`），在 2 核笔记本上，8 个 rank 每次约省 20 s 启动时间。
 
@@ -342,6 +342,6 @@ plt.show()
 # ## 出问题时
 #
 # - 布局的乘积不等于 world size，或者 `--tp` 不能整除注意力头数：实验会用一行信息说明原因，并在任何进程启动之前以退出码 2 退出。
-# - 某个 rank 一直在等：每个维度的组都带有 `--timeout-s`（`init_mesh()`）；见[集合通信超时](../runbooks/collective-timeout.md)和[卡住的 rank](../runbooks/stuck-rank.md)。
-# - 第一个阶段显存不足：见 [OOM 的缓解手段](../runbooks/oom-mitigations.md)。
-# - 实验本身：[实验 05](../labs/lab05_3d.md)。
+# - 某个 rank 一直在等：每个维度的组都带有 `--timeout-s`（`init_mesh()`）；见[集合通信超时](../runbooks/collective-timeout.md)和[某个 rank 卡住或变慢](../runbooks/stuck-rank.md)。
+# - 第一个阶段显存不足：见 [显存不足的缓解手段](../runbooks/oom-mitigations.md)。
+# - 实验本身：[lab05_3d](../labs/lab05_3d.md)。

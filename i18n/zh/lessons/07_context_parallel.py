@@ -19,7 +19,7 @@
 #
 # - 说清为什么长序列需要单独的一个并行维度：其他各个维度都会让每个 rank 持有*整条*序列的激活值；
 # - 用 log-sum-exp 规则合并两个部分注意力的结果，并推导出这条规则；
-# - 在 2 个和 4 个进程上手动运行环形注意力（前向和反向），并证明它的输出和梯度与单进程一致，误差在 1e-6 量级；
+# - 在 2 个和 4 个进程上手动运行环形注意力（Ring Attention，前向和反向），并证明它的输出和梯度与单进程一致，误差在 1e-6 量级；
 # - 看到朴素切分下因果掩码造成的负载不均衡，测量它，再用首尾切分（zig-zag）消除它；
 # - 测量每个 rank 的激活值内存随序列长度的变化：它按 CP 并行度等比例缩小；
 # - 说出 torch 自带的 `context_parallel` 做了什么，以及它为什么不能在 CPU 上运行。
@@ -86,7 +86,7 @@ assert merge_error < 1e-6
 # %% [markdown]
 # ## 手写环形注意力
 #
-# p 个 rank 各自持有自己的 query、key 和 value。第 t 步时，rank r 持有 rank r - t 的 key/value 切片：它计算自己的 query 对这个切片的注意力并合并进结果。在计算之前，它先提交两个方向的通信：把这个切片发给 rank r + 1，并接收 rank r - 1 的下一个切片（`batch_isend_irecv`，收、发一起提交）；计算完成之后才等待它们完成。这样，通信与计算同时进行。p 步之后，每个 query 都见过了所有 key；经过 p - 1 次轮转，每个 rank 每层的通信量是整条序列 key 和 value 的 (p-1)/p，与一次 all-gather 相同，但内存里任何时刻都只有两个切片。
+# p 个 rank 各自持有自己的 query、key 和 value。在第 t 步，rank r 持有 rank r - t 的 key/value 切片：它计算自己的 query 对这个切片的注意力并合并进结果。在计算之前，它先提交两个方向的通信：把这个切片发给 rank r + 1，并接收 rank r - 1 的下一个切片（`batch_isend_irecv`，收、发一起提交）；计算完成之后才等待它们完成。这样，通信与计算同时进行。p 步之后，每个 query 都见过了所有 key；经过 p - 1 次轮转，每个 rank 每层的通信量是整条序列 key 和 value 的 (p-1)/p，与一次 all-gather 相同，但内存里任何时刻都只有两个切片。
 #
 # ```
 #  step 0:  rank0[KV0]  rank1[KV1]  rank2[KV2]  rank3[KV3]
@@ -318,7 +318,7 @@ plt.show()
 # %% [markdown]
 # S 每翻一倍，一个 rank 的字节数就翻一倍；p 每翻一倍，字节数就减半，与预测完全一致（上面已逐字节断言）。普通注意力的曲线更陡：它还要保存 S x S 的概率矩阵，S 每翻一倍增长 4x。环形注意力从不构造这个矩阵，这和 flash attention 在单块 GPU 内部省下的是同一笔内存。
 #
-# 在完整模型中，逐 token 的层（MLP、归一化、投影）的激活值同样除以 p，因为每个 rank 只在自己的 S/p 个 token 上运行它们。不会除以 p 的部分：参数（用 FSDP 在同一组 rank 上对它们分片，torchtitan 就是通过 `dp_shard_cp` 这个网格维度这样做的），以及正在传输中的两个 key/value 切片。
+# 在完整模型中，逐 token 的层（MLP、归一化、投影）的激活值同样除以 p，因为每个 rank 只在自己的 S/p 个 token 上运行它们。不会除以 p 的部分：参数（用 FSDP 在同一组 rank 上对它们分片，torchtitan 就是通过 `dp_shard_cp` 这个网格轴这样做的），以及正在传输中的两个 key/value 切片。
 
 # %% [markdown]
 # ## 另一种做法：all-to-all（Ulysses）
@@ -404,5 +404,5 @@ assert "_scaled_dot_product_flash_attention_for_cpu" in library[0]["error"]
 #
 # ## 出问题时
 #
-# - 某个 rank 停在 `rotate` 里：有一个 rank 跳过了环的某一步，于是它邻居的 `irecv` 会一直等下去（这里是等到进程组超时）。每个 rank 都必须执行每一步，哪怕这一步没有可见的块（见[卡死与超时](../runbooks/collective-timeout.md)）。
+# - 某个 rank 停在 `rotate` 里：有一个 rank 跳过了环的某一步，于是它邻居的 `irecv` 会一直等下去（这里是等到进程组超时）。每个 rank 都必须执行每一步，哪怕这一步没有可见的块（见[集合通信超时](../runbooks/collective-timeout.md)）。
 # - 一致性偏差远大于 1e-5：分片时用的分段布局与还原时用的不一致，或者因果判断比较的是不同布局下的段编号。

@@ -272,17 +272,17 @@ for p, ranks in ep_runs.items():
 #
 # - 它的专家以一次分组矩阵乘（`torch._grouped_mm`）的方式运行，而不是 Python 循环；
 # - 它没有容量，因此不会丢弃任何 token；它也不用辅助损失，而是在路由分数上加一个只用于 top-k 选择的偏置来均衡负载（`load_balance_coeff`，即无辅助损失的负载均衡，arXiv:2408.15664，与 DeepSeek-V3 相同）；
-# - 它的专家是 `ep` 网格维度上的 DTensor，并与 FSDP 和 TP 组合，而本课传递的是普通张量和一个进程组（接下来的 lab08 会完成 DTensor 和 FSDP 的部分）。
+# - 它的专家是 `ep` 网格轴上的 DTensor，并与 FSDP 和 TP 组合，而本课传递的是普通张量和一个进程组（接下来的 lab08 会完成 DTensor 和 FSDP 的部分）。
 #
 # **仅限 GPU，CI 中不执行**：在 NCCL 上运行 torchtitan 的 MoE；本课程没有运行过。
 
 # %% [markdown]
 # ## 放进完整模型：lab08
 #
-# 本实验训练课程中的模型，把每个 block 的 MLP 换成一个 MoE 层（8 个专家，top-2），专家分布在 ("dp", "ep") 网格的 "ep" 维度上，并与 FSDP2 组合。专家是 DTensor，在 "ep" 上是 `Shard(0)`（每个 rank 持有若干个完整的专家），因此检查点按它们在整个模型中的名字存储，可以在任意布局上恢复训练；`fully_shard` 把它们的行在 "dp" 上切分，并把稠密层在所有 rank 上分片。有两个细节是本课用不到的：
+# 本实验训练课程中的模型，把每个 block 的 MLP 换成一个 MoE 层（8 个专家，top-2），专家分布在 ("dp", "ep") 网格的 "ep" 维度上，并与 FSDP2 组合。专家是 DTensor，在 "ep" 上是 `Shard(0)`（每个 rank 持有若干个完整的专家），因此检查点按它们在整个模型中的名字存储，可以在任意布局上断点续训；`fully_shard` 把它们的行在 "dp" 上切分，并把稠密层在所有 rank 上分片。有两个细节是本课用不到的：
 #
-# - **专家梯度的除数因子。** 在一个 ep rank 上，专家的梯度已经是其 ep 组内每个 rank 的损失之和：反向的 all-to-all 把这些梯度送回了专家所在的 rank。FSDP 随后只在 "dp" 上做规约，所以实验要除以 dp x ep，即 world size（`set_gradient_divide_factor`），而不是 dp。即使使用默认因子，参数也仍会落在单进程结果附近，因为 AdamW 会用每个梯度自己的滑动尺度去除它；正因为如此，实验还会把每一步的梯度范数与单进程做比较。
-# - **全局均衡损失。** 计数在所有 rank 上做 all-reduce，所以损失值与 batch 的切分方式无关，换一个 world size 恢复训练后，结果也仍然与单进程一致。
+# - **专家梯度的除数因子。** 在一个 ep rank 上，专家的梯度已经是其 ep 组内每个 rank 的损失之和：反向的 all-to-all 把这些梯度送回了专家所在的 rank。FSDP 随后只在 "dp" 上做归约，所以实验要除以 dp x ep，即 world size（`set_gradient_divide_factor`），而不是 dp。即使使用默认因子，参数也仍会落在单进程结果附近，因为 AdamW 会用每个梯度自己的滑动尺度去除它；正因为如此，实验还会把每一步的梯度范数与单进程做比较。
+# - **全局均衡损失。** 计数在所有 rank 上做 all-reduce，所以损失值与 batch 的切分方式无关，换一个 world size 断点续训后，结果也仍然与单进程一致。
 #
 # 实验的 `--check-parity` 会把每个参数、每一步的梯度范数和每个专家的负载，与单进程用同样的 batch 训练的结果做比较：
 #
@@ -308,5 +308,5 @@ for p, ranks in ep_runs.items():
 #
 # ## 出问题时
 #
-# - 在分发阶段卡死：各 rank 对切分大小的认识不一致（某个 rank 跳过了计数交换，或者用了过期的计数）。每个 rank 都必须按计数交换得到的切分大小调用每一次 all-to-all（见[卡死与超时](../runbooks/collective-timeout.md)）。
+# - 在分发阶段卡死：各 rank 对切分大小的认识不一致（某个 rank 跳过了计数交换，或者用了过期的计数）。每个 rank 都必须按计数交换得到的切分大小调用每一次 all-to-all（见[集合通信超时](../runbooks/collective-timeout.md)）。
 # - 只有路由器梯度的一致性有偏差，而且恰好差 p 倍：均衡损失在每个 rank 上都被完整地反向传播了，而不是每个 rank 只反向传播自己那一份。
