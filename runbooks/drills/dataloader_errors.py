@@ -83,6 +83,10 @@ FIXES = {  # the documented fixes, first = the one plain `--fix` applies
 NOT_FIXES = {"shm-full": ["file-system"]}  # file_system still puts every batch in /dev/shm
 NAMESPACE_MARK = "DATALOADER_ERRORS_PARENT_MNT_NS"  # set by the re-run under unshare
 BIG_SHM = "64m"  # the fix "shm-size": what `docker run --shm-size=64m` would give
+# shm cases: the training step each batch takes. Slower than loading, as in real training, so
+# the workers fill every prefetch slot while it runs: the batches in flight are then as many as
+# the loader allows, every run, instead of depending on how fast this loop drains them.
+SHM_STEP_S = 0.1
 
 
 # --- datasets and collate functions (top level: spawn and forkserver pickle them) -----------
@@ -314,6 +318,7 @@ def run_epoch(run):
             if run.keep_batches:
                 kept.append([t.clone() for t in batch] if run.clone else batch)
             if run.shm_size:
+                time.sleep(SHM_STEP_S)  # the step: the workers refill meanwhile
                 peak_shm = max(peak_shm, shm_used_mib())
     except (RuntimeError, KeyError) as exc:  # a worker's error keeps its type (KeyError here)
         report_failure(run, exc, count, time.perf_counter() - t0)
