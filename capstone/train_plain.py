@@ -1,9 +1,9 @@
 """The capstone's starting point: a plain, single-process training script. Port it.
 
-Your task (docs/onboarding.md, "Capstone"): make a copy that runs under torchrun, first with
-DDP, then with FSDP2 (`fully_shard`), and trains the same model on the same global batches.
-Keep the command-line contract below; `python capstone/grade.py your_port.py` then runs your
-port at 2 ranks and this script in one process, and compares them.
+Your task (docs/onboarding-exercises.md, "Capstone"): make a copy that runs under torchrun,
+first with DDP, then with FSDP2 (`fully_shard`), and trains the same model on the same global
+batches. Keep the command-line contract below; `python capstone/grade.py your_port.py` then
+runs your port at 2 ranks and this script in one process, and compares them.
 
     python capstone/train_plain.py --out runs/plain
 
