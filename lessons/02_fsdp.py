@@ -67,9 +67,14 @@ assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 7B does not fit an 80 GB GPU unde
 # A 7B model needs 112 GB per rank under DDP: it does not fit an 80 GB GPU before a single
 # activation is stored. Sharded over 8 ranks (ZeRO-3, which FSDP implements) it needs 14 GB.
 #
-# The worked example that circulates: 70B parameters, AdamW, 64 ranks. The total is
-# 16 B x 70e9 = 1120 GB. Per rank, sharded: 1120 / 64 = **17.5 GB** (decimal; 16.3 GiB). The
-# "17.6 GB" you may have seen comes from adding numbers that were rounded first.
+# The 70B model used below: 70B parameters, AdamW, 64 ranks. The total is 16 B x 70e9 =
+# 1120 GB; sharded, 1120 / 64 = **17.5 GB** per rank (decimal; 16.3 GiB).
+#
+# <details><summary>The "17.6 GB" you may have seen</summary>
+#
+# A widely copied worked example gives 17.6 GB per rank for the same model. It comes from
+# adding per-item figures that were rounded first; the exact sum is 17.5 GB.
+# </details>
 
 # %%
 e70 = est.estimate_per_rank(70e9, 64, "zero3")
@@ -98,14 +103,15 @@ s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
 activations_70b = num_layers * s * b * h * (34 + 5 * a * s / h)
 print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
       f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
-assert 480 < activations_70b / 2**30 < 490  # ~485 GiB: 28x the state the table counts
+assert 480 < activations_70b / 2**30 < 490  # ~485 GiB: about 30x the state the table counts
 assert activations_70b > 25 * e70.total_bytes
 
 # %% [markdown]
 # That is why 70B training also needs activation checkpointing (recompute instead of store),
 # tensor or sequence parallelism (lesson 03) or pipeline stages (lesson 04).
 #
-# The next term is the *transient unsharded unit*: a block must be whole while it computes.
+# The next term is the *transient unsharded unit*. A *unit* is the group of parameters FSDP
+# gathers together, usually one transformer block, and a unit must be whole while it computes.
 # One Llama-2-70B block (dim 8192, MLP hidden 28672, 8 KV heads of 128) holds about 0.86B
 # parameters, so 1.6 GiB in bf16, and about twice that while the next block is prefetched:
 
@@ -123,8 +129,8 @@ assert 0.85e9 < block_params < 0.86e9 and 1.55 < 2 * block_params / 2**30 < 1.65
 # rank has a full-size gradient computed on its own data; a **reduce-scatter** sums those
 # gradients across ranks and hands each rank only the rows it owns. The optimizer then updates
 # only the local shard. Below, one linear layer is trained that way by hand on 2 processes,
-# then with `fully_shard`, then in one process on the whole global batch. The whole worker
-# (`lessons/fsdp_workers.py`); part (1) is FSDP by hand:
+# then with `fully_shard`, then in one process on the whole global batch. The worker below
+# (`lessons/fsdp_workers.py`) does all three; part (1) is FSDP by hand.
 
 # %%
 print(inspect.getsource(fsdp_workers.shard_by_hand_vs_fully_shard))
@@ -204,7 +210,8 @@ fig.tight_layout()
 plt.show()
 kinds = {(unit, phase) for unit, phase, _, _ in bars}
 assert {("layers.0", "all-gather"), ("layers.1", "all-gather (prefetch)"),
-        ("layers.0", "reduce-scatter"), ("root", "reduce-scatter")} <= kinds
+        ("layers.0", "all-gather (prefetch)"), ("layers.0", "reduce-scatter"),
+        ("root", "reduce-scatter")} <= kinds
 gathers = {u: sum(1 for unit, phase, _, _ in bars if unit == u and phase.startswith("all-gather"))
            for u in units}
 assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
@@ -212,18 +219,24 @@ assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
 # %% [markdown]
 # Read it top to bottom. Each block is all-gathered before its forward and freed right after
 # (the dark sliver); in backward it is all-gathered again, and FSDP issues that all-gather one
-# block *ahead* (`backward_prefetch`, light blue): layers.0's gather is posted while layers.1
-# is still to compute its backward. Each block's gradient is reduce-scattered as soon as its
-# backward is done. The root is gathered once: FSDP keeps it whole from forward to backward,
-# because backward starts with the output projection.
+# block *ahead* (`backward_prefetch`, light blue): layers.1's gather is posted from the root's
+# backward (the output projection runs first), and layers.0's while layers.1 is still to
+# compute its backward. Each block's gradient is reduce-scattered as soon as its backward is
+# done. The root is gathered once: FSDP keeps it whole from forward to backward, because
+# backward starts with the output projection.
 #
-# What this CPU run cannot show is overlap. On gloo, each collective runs to completion before
-# the next compute starts, so the bars sit side by side. On GPUs, FSDP2 runs all-gathers and
-# reduce-scatters on separate CUDA streams, so the prefetched all-gather does run while the
-# current block computes (`all_gather_stream` and `reduce_scatter_stream` in
-# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`, torch 2.13; GPU only, not
-# measured here). The trace also shows one gloo detail: the reduce-scatter is
-# carried out as an all-reduce (`gloo:all_reduce` inside each `post_backward_reduce`).
+# This trace shows order, not overlap. FSDP2 issues its all-gathers with `async_op=False` and
+# relies on a separate CUDA stream to run them beside compute, so on a CPU the training thread
+# waits for each one and the bars sit side by side (lesson 06 measures this, and what async
+# all-gathers change). The trace also shows one gloo detail: the reduce-scatter is carried out
+# as an all-reduce (`gloo:all_reduce` inside each `post_backward_reduce`).
+#
+# <details><summary>Where the streams are in torch's source</summary>
+#
+# `all_gather_stream` and `reduce_scatter_stream` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` (torch 2.13). GPU only, not
+# measured here.
+# </details>
 #
 # ### FSDP's bytes, counted
 #
@@ -503,10 +516,16 @@ assert not any(key.startswith("dp_replicate") and "gather" in key for key in by_
 #
 # ## FSDP1 to FSDP2
 #
-# A migration you can run needs FSDP1 to run, and on this CPU-only machine it does not: its
-# constructor asks for an accelerator. (Passing `device_id=torch.device("cpu")` instead crashed
-# the process with SIGSEGV here, torch 2.13.) So FSDP1's side of the table below is GPU only,
-# not executed in CI:
+# FSDP2 replaces FSDP1's wrapper class with one call per module. The diff below ports a typical
+# FSDP1 script, and the table after it maps every FSDP1 option to FSDP2. FSDP1 itself needs an
+# accelerator, so its side runs only on GPUs; the cell shows its refusal on this CPU.
+#
+# <details><summary>Why FSDP1 is not run here</summary>
+#
+# FSDP1's constructor asks for an accelerator. Passing `device_id=torch.device("cpu")` instead
+# crashed the process with SIGSEGV (torch 2.13). So FSDP1's side of the table is GPU only, and
+# not executed in CI.
+# </details>
 
 # %%
 fsdp1 = run_workers(fsdp_workers.fsdp1_refuses_cpu, 2, timeout_s=120)[0]
@@ -612,7 +631,9 @@ assert (major, minor) >= (2, 6)
 # - Persistent state per rank: DDP 16 B/param in fp32 + AdamW, whatever N; ZeRO-3/FSDP 16/N.
 #   Measured here within 5% of the estimator, and FSDP within 5% of DDP / N.
 # - FSDP = shard + all-gather before use + reduce-scatter after backward; by hand it gives the
-#   same numbers as `fully_shard`.
+#   same numbers as `fully_shard`. It sends about 1.5x DDP's bytes for 1/N of the memory.
+# - HSDP shards inside a group (a node) and replicates across groups: only an all-reduce of
+#   gradient shards crosses the slower links.
 # - Build on meta, `fully_shard` blocks then the root, `to_empty`, fill your shards.
 # - The peak is more than the table: the gathered unit, its prefetch, activations, buffers.
 #

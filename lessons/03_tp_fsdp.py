@@ -55,7 +55,11 @@ from spawn import launch_lab, run_workers  # noqa: E402
 #
 # FSDP shards parameters, gradients and optimizer state, but every rank still runs whole
 # layers on its own micro-batch, so **activations** are not sharded. At long sequences they
-# dominate. Korthikanti et al. (arXiv:2205.05198, Table 2) count the activation bytes one
+# dominate. Tensor parallelism (TP) splits each layer's matmuls over t ranks, so each rank keeps
+# a slice of most activations; *sequence parallelism* (SP), used with TP, also splits the norms
+# and the residual stream along the sequence, so those shrink by t too.
+#
+# Korthikanti et al. (arXiv:2205.05198, Table 2) count the activation bytes one
 # transformer layer keeps for backward (16-bit activations, no recomputation), with sequence
 # length s, micro-batch b, width h, heads a and TP degree t:
 #
@@ -107,11 +111,13 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 
 # %% [markdown]
 # Tens of GB per micro-batch, on the critical path of every layer: under a tenth of a second
-# inside a node, most of a second across nodes, for every micro-batch. FSDP's traffic is
-# smaller and off the critical path: it all-gathers each block's parameters in the forward and
-# again in the backward of *every* micro-batch (gradient accumulation does not save those), and
-# reduce-scatters the gradients once per step when syncing is off for the other micro-steps;
-# all of it can overlap with compute. Hence the 2D layout: **TP inside a node, FSDP across nodes.**
+# inside a node, most of a second across nodes, for every micro-batch. FSDP's traffic is not
+# smaller: with t = 8, each rank still all-gathers its 1/8 of the bf16 weights (70e9 x 2 B / 8,
+# about 17.5 GB) in the forward and again in the backward of *every* micro-batch (gradient
+# accumulation does not save those), and reduce-scatters the gradients once per step. But
+# nothing inside a layer waits for it: the next block's all-gather runs while this block
+# computes. TP's all-reduces sit between two matmuls of the same layer, so nothing hides them.
+# Hence the 2D layout: **TP inside a node, on the fast links; FSDP across nodes.**
 #
 # ## From scratch: column-parallel, then row-parallel
 #
@@ -120,25 +126,28 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 # computes a slice of the hidden units, and gelu is elementwise so no exchange is needed), `B`
 # by input features (row-parallel: each rank gets a *partial sum* of y). Forward all-reduces
 # the partial sums (Megatron's `g`); backward all-reduces the input gradient (`f`), because each
-# rank's slice contributed part of dL/dx. The picture, for the 2-rank example below (8 inputs,
-# 16 hidden units):
+# rank's slice contributed part of dL/dx. In code, `A` is `fc1.weight.T`: `nn.Linear` stores its
+# weight as (out, in), so splitting A's columns means splitting `fc1.weight`'s rows, and
+# splitting B's rows means splitting `fc2.weight`'s columns. The picture draws the stored
+# weights, for the 2-rank example below (8 inputs, 16 hidden units):
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), gridspec_kw={"width_ratios": [1, 2]})
 rank_colors = ["tab:blue", "tab:orange"]
-for r in range(2):  # A = fc1.weight, 16 x 8: rank r keeps output rows 8r .. 8r+7
+for r in range(2):  # fc1.weight (A transposed), 16 x 8: rank r keeps output rows 8r .. 8r+7
     axes[0].add_patch(plt.Rectangle((0, 8 * r), 8, 8, color=rank_colors[r], alpha=0.75))
     axes[0].text(4, 8 * r + 4, f"rank {r}\nrows {8 * r}-{8 * r + 7}", ha="center", va="center",
                  fontsize=11, color="white", fontweight="bold")
-    # B = fc2.weight, 8 x 16: rank r keeps input columns 8r .. 8r+7 (the same hidden units)
+    # fc2.weight (B transposed), 8 x 16: rank r keeps input columns 8r .. 8r+7 (the same hidden units)
     axes[1].add_patch(plt.Rectangle((8 * r, 0), 8, 8, color=rank_colors[r], alpha=0.75))
     axes[1].text(8 * r + 4, 4, f"rank {r}\ncolumns {8 * r}-{8 * r + 7}", ha="center",
                  va="center", fontsize=11, color="white", fontweight="bold")
 axes[0].set(xlim=(0, 8), ylim=(16, 0), xlabel="input features (8)", ylabel="hidden units (16)")
-axes[0].set_title("A, column-parallel:\neach rank computes its hidden units", fontsize=11)
-axes[1].set(xlim=(0, 16), ylim=(8, 0), xlabel="hidden units (16)", ylabel="outputs (8)")
-axes[1].set_title("B, row-parallel: each rank a partial sum of y,\nall-reduced forward (g)",
+axes[0].set_title("fc1.weight = A transposed: A's columns\nare these rows (column-parallel)",
                   fontsize=11)
+axes[1].set(xlim=(0, 16), ylim=(8, 0), xlabel="hidden units (16)", ylabel="outputs (8)")
+axes[1].set_title("fc2.weight = B transposed: B's rows are these\ncolumns (row-parallel), "
+                  "partial sums all-reduced (g)", fontsize=11)
 for ax in axes:
     ax.set_aspect("equal")
     ax.tick_params(labelsize=10)
@@ -271,10 +280,14 @@ assert "Mesh should not be bigger than default world size" in mistakes["mesh_too
 # parallel. Each run keeps the per-rank micro-batch at 4 sequences (`--batch-size 4 x dp`), so
 # the comparison isolates what TP divides. `--check-parity` trains the same batches in one process
 # and compares every parameter in fp32 (within 1e-5, see below); `--count-comms` measures step 1
-# with `CommDebugMode` and counts the bytes autograd saves for backward. The first run starts
-# real torchrun, as you would; the others fork their ranks from a server that has already
-# imported torch (`launch_lab` in `lessons/spawn.py`): the same per-rank environment, and
-# about 10 s less start-up each on a 2-core laptop.
+# with `CommDebugMode` and counts the bytes autograd saves for backward.
+#
+# <details><summary>How these runs are launched</summary>
+#
+# The first run starts real torchrun, as you would; the others fork their ranks from a server
+# that has already imported torch (`launch_lab` in `lessons/spawn.py`): the same per-rank
+# environment, and about 10 s less start-up each on a 2-core laptop.
+# </details>
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson03-"))
@@ -352,6 +365,9 @@ assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
 # fp32 only).
 #
 # ### Memory per rank against tp
+#
+# TP divides activations; the 2-D mesh divides the state. Expect flat state per rank and falling
+# activations as tp grows:
 
 # %%
 tps = [1, 2, 4]
@@ -380,6 +396,7 @@ assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < act
 #
 # ### Communication per step against tp
 #
+# As tp grows, FSDP's traffic shrinks and TP's appears: activation-sized, every layer.
 # `CommDebugMode` names every collective. TP's come from DTensor (`c10d_functional.*`), FSDP's
 # from `fully_shard` (`c10d.*`), so one step's traffic splits cleanly. `CommCounter`, in the lab
 # kit (`labs/labkit/probes.py`), counts the bytes each rank *sends*, with lesson 00's ring

@@ -231,9 +231,14 @@ assert lab.stage_ids_for_rank(0, 2, loop_cfg) == [0, 2]
 # Two ranks, 4 layers, 4 microbatches per step. GPipe and 1F1B run one stage per rank (2
 # stages); the others run two stages per rank (4 stages). Each run checks parity with a
 # single-process run on the same batches: the loss of every step, every gradient of the first
-# step and every parameter after the last, all within 1e-5. The first run starts real torchrun,
-# as you would; the others fork their ranks from a server that has already imported torch
-# (`launch_lab` in `lessons/spawn.py`), about 10 s less start-up each on a 2-core laptop.
+# step and every parameter after the last, all within 1e-5.
+#
+# <details><summary>How these runs are launched</summary>
+#
+# The first run starts real torchrun, as you would; the others fork their ranks from a server
+# that has already imported torch (`launch_lab` in `lessons/spawn.py`), about 10 s less
+# start-up each on a 2-core laptop.
+# </details>
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson04-"))
@@ -324,7 +329,7 @@ assert runs["Interleaved1F1B"]["bubble"]["formula"] == bubble(2, 4, v=2)
 # actions costs a sizeable fraction of that, and the two ranks share the machine with
 # whatever else is running, so the wall clock can even rank 1F1B above GPipe. On GPUs with
 # real layer sizes, actions take tens of milliseconds and the measurement moves toward the
-# replay. [Lesson 06](06_performance.ipynb#the-pipeline-bubble-measured-where-compute-dominates)
+# replay. [Lesson 06](06_performance.ipynb#3-the-pipeline-bubble-where-compute-dominates)
 # makes each microbatch about 250 times heavier and measures that: GPipe and 1F1B then land within
 # 15% of the formula, and the interleaved schedule below both. The zero-bubble schedules have no simple
 # closed form; their papers (Qi et al. 2024, arXiv:2401.10241) claim a near-zero bubble when

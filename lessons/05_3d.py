@@ -313,9 +313,14 @@ for rank in range(4):  # pp 0 ranks; rank + 4 holds the next stage at the same (
 # every layout is checked against one process, and the chained losses must continue the
 # uninterrupted run's. The checkpoint holds each tensor under the whole model's name
 # (`layers.3.attention.wq.weight`), with each shard's offsets, so any layout can read the
-# slices it needs. The first run starts real torchrun, as you would; the three legs fork
-# their ranks from a server that has already imported torch (`launch_lab` in
-# `lessons/spawn.py`), about 20 s less start-up each for 8 ranks on a 2-core laptop.
+# slices it needs.
+#
+# <details><summary>How these runs are launched</summary>
+#
+# The first run starts real torchrun, as you would; the three legs fork their ranks from a
+# server that has already imported torch (`launch_lab` in `lessons/spawn.py`), about 20 s
+# less start-up each for 8 ranks on a 2-core laptop.
+# </details>
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson05-"))
@@ -407,7 +412,7 @@ plt.show()
 # 1. **Count for another layout.** Rerun the recorder with `["--pp", "4", "--dp", "1", "--tp",
 #    "2"]` (4 stages of 1 block). Predict first: an interior stage sends and receives `2 m`
 #    times, and with dp 1 FSDP issues no collective at all (it skips a group of one rank;
-#    onboarding exercise 5.1 checks this on every rank).
+#    [onboarding exercise 5.1](../docs/onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage) checks this on every rank).
 # 2. **Interleaved.** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
 #    Interleaved1F1B --dp 2 --tp 2 --check-parity`: 4 stages on 2 pp ranks. Which counts in
 #    the formula double?

@@ -149,7 +149,7 @@ print(inspect.getsource(lab.train_step))  # 来自工具包：labs/labkit/loop.p
 #
 # 有一个例外：当 `bucket_cap_mb` 保持默认值（`None`，即 25 MiB）时，第一个桶，也就是反向传播中最先发起 all-reduce 的那个桶，上限是 `dist._DEFAULT_FIRST_BUCKET_BYTES` = 1 MiB，为的是让通信尽早开始。显式传入 `bucket_cap_mb=25`，则每个桶都是 25 MiB。本实验显式传入 `--bucket-cap-mb`（默认 25），所以下面的计数遵循普通规则。
 #
-# worker 注册了一个通信 hook（标准的 all-reduce，外加一个计数器），每个优化器步包含 4 个微步。
+# worker 注册了一个通信 hook（标准的 all-reduce，外加一个计数器），优化器每更新一次包含 4 个微步。
 
 # %%
 largest_param_bytes = max(p.numel() for p in model.parameters()) * 4
@@ -238,7 +238,7 @@ assert gap < 1e-5 and ddp2["final_loss"] < 1.0
 # %% [markdown]
 # 关于这个单进程参考，有一个微妙之处。它在一个进程中累积每个 rank 各个微批次的梯度，这恰好就是全局 batch 的平均梯度；把 16 条序列当作一个大 batch，算出的是同一个均值，只是求和顺序不同，相差约 1e-8。在 AdamW 的第一步，这样的舍入误差可能让一个权重移动整整一步，所以各实验都让学习率预热：不预热时，3 个 rank 就达不到 1e-5（实测 1.4e-5，见 `tests/test_odd_world_sizes.py`）。原因的实测见[第 03 课：fp32 一致性为什么需要预热](03_tp_fsdp.ipynb#why-fp32-parity-needs-warmup-adamws-first-step)；下面的练习 3 让你在这里亲眼看到它。
 #
-# 在 4 个进程上使用梯度累积（每个优化器步 2 个微步，第一个使用 `no_sync`），结果也一样。本实验默认的全局 batch 是每个 rank、每个微步 8 条序列，因此会随 world size 增大；用 `--batch-size 16` 可以让它与 2 个 rank 时的全局 batch 保持一致：
+# 在 4 个进程上使用梯度累积（优化器每更新一次有 2 个微步，第一个使用 `no_sync`），结果也一样。本实验默认的全局 batch 是每个 rank、每个微步 8 条序列，因此会随 world size 增大；用 `--batch-size 16` 可以让它与 2 个 rank 时的全局 batch 保持一致：
 
 # %%
 ddp4 = run_lab(4, "--check-parity", "--grad-accum", "2", "--batch-size", "16")

@@ -61,7 +61,12 @@ assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 用 DDP 时，7B 装不进 80 GB 
 # %% [markdown]
 # 7B 模型在 DDP 下每个 rank 需要 112 GB：还没存下任何激活值，就已经装不进 80 GB 的 GPU。分片到 8 个 rank 上（即 ZeRO-3，FSDP 实现的就是它）则只需 14 GB。
 #
-# 网上流传的算例：70B 参数、AdamW、64 个 rank。总量为 16 B x 70e9 = 1120 GB。分片后每个 rank：1120 / 64 = **17.5 GB**（十进制单位；合 16.3 GiB）。你可能见过的“17.6 GB”，是先把各项数字舍入、再相加得到的。
+# 下文用到的 70B 模型：70B 参数、AdamW、64 个 rank。总量为 16 B x 70e9 = 1120 GB；分片后每个 rank 1120 / 64 = **17.5 GB**（十进制单位；合 16.3 GiB）。
+#
+# <details><summary>你可能见过的“17.6 GB”</summary>
+#
+# 网上流传的一个算例给出同一模型每个 rank 17.6 GB。它是先把各项数字舍入、再相加得到的；精确的和是 17.5 GB。
+# </details>
 
 # %%
 e70 = est.estimate_per_rank(70e9, 64, "zero3")
@@ -86,13 +91,13 @@ s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
 activations_70b = num_layers * s * b * h * (34 + 5 * a * s / h)
 print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
       f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
-assert 480 < activations_70b / 2**30 < 490  # 约 485 GiB：是表中所列状态的 28 倍
+assert 480 < activations_70b / 2**30 < 490  # 约 485 GiB：约为表中所列状态的 30 倍
 assert activations_70b > 25 * e70.total_bytes
 
 # %% [markdown]
 # 所以训练 70B 模型还需要激活检查点（又称激活重计算：用重计算代替存储）、张量并行或序列并行（第 03 课），或者流水线阶段（第 04 课）。
 #
-# 下一项是*临时的未分片单元*：一个 block 在计算时必须是完整的。一个 Llama-2-70B block（dim 8192，MLP 隐藏层 28672，8 个 128 维的 KV head）约有 0.86B 参数，bf16 下为 1.6 GiB；在预取下一个 block 期间，约为它的两倍：
+# 下一项是*临时的未分片单元*。*单元*是 FSDP 一起 gather 的一组参数，通常是一个 transformer block；单元在计算时必须是完整的。一个 Llama-2-70B block（dim 8192，MLP 隐藏层 28672，8 个 128 维的 KV head）约有 0.86B 参数，bf16 下为 1.6 GiB；在预取下一个 block 期间，约为它的两倍：
 
 # %%
 dim, hidden, kv_dim = 8192, 28672, 8 * 128
@@ -103,7 +108,7 @@ assert 0.85e9 < block_params < 0.86e9 and 1.55 < 2 * block_params / 2**30 < 1.65
 # %% [markdown]
 # ## 从零开始：分片、all-gather、reduce-scatter
 #
-# FSDP 就是三个动作。每个 rank 只保存每个权重的一个切片（按行切，即 dim 0）。使用权重之前，先用一次 **all-gather** 把它重建出来，用完立即释放。反向传播之后，每个 rank 都有一份用自己的数据算出的完整大小的梯度；一次 **reduce-scatter** 把这些梯度在各 rank 之间求和，并只把每个 rank 负责的那些行交给它。随后优化器只更新本地分片。下面在 2 个进程上，先这样手动训练一个线性层，再用 `fully_shard` 训练，最后在一个进程里用整个全局 batch 训练。完整的 worker 函数（`lessons/fsdp_workers.py`）如下，其中第 (1) 部分就是手写的 FSDP：
+# FSDP 就是三个动作。每个 rank 只保存每个权重的一个切片（按行切，即 dim 0）。使用权重之前，先用一次 **all-gather** 把它重建出来，用完立即释放。反向传播之后，每个 rank 都有一份用自己的数据算出的完整大小的梯度；一次 **reduce-scatter** 把这些梯度在各 rank 之间求和，并只把每个 rank 负责的那些行交给它。随后优化器只更新本地分片。下面在 2 个进程上，先这样手动训练一个线性层，再用 `fully_shard` 训练，最后在一个进程里用整个全局 batch 训练。下面的 worker 函数（`lessons/fsdp_workers.py`）把这三种都做了一遍，其中第 (1) 部分就是手写的 FSDP。
 
 # %%
 print(inspect.getsource(fsdp_workers.shard_by_hand_vs_fully_shard))
@@ -180,15 +185,21 @@ fig.tight_layout()
 plt.show()
 kinds = {(unit, phase) for unit, phase, _, _ in bars}
 assert {("layers.0", "all-gather"), ("layers.1", "all-gather (prefetch)"),
-        ("layers.0", "reduce-scatter"), ("root", "reduce-scatter")} <= kinds
+        ("layers.0", "all-gather (prefetch)"), ("layers.0", "reduce-scatter"),
+        ("root", "reduce-scatter")} <= kinds
 gathers = {u: sum(1 for unit, phase, _, _ in bars if unit == u and phase.startswith("all-gather"))
            for u in units}
 assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
 
 # %% [markdown]
-# 从上往下看。每个 block 在前向之前先 all-gather，前向结束后立即释放（那条深色细条）；反向传播时再 all-gather 一次，而且 FSDP 会提前一个 block 发出这次 all-gather（`backward_prefetch`，浅蓝色）：layers.1 的反向传播还没开始算，layers.0 的 gather 就已经发出了。每个 block 的反向传播一结束，它的梯度就立即做 reduce-scatter。根单元只 gather 一次：FSDP 让它从前向到反向传播一直保持完整，因为反向传播是从输出投影开始的。
+# 从上往下看。每个 block 在前向之前先 all-gather，前向结束后立即释放（那条深色细条）；反向传播时再 all-gather 一次，而且 FSDP 会提前一个 block 发出这次 all-gather（`backward_prefetch`，浅蓝色）：layers.1 的 gather 在根单元的反向中发出（最先计算的是输出投影），layers.0 的 gather 则在 layers.1 的反向还没算时就已发出。每个 block 的反向传播一结束，它的梯度就立即做 reduce-scatter。根单元只 gather 一次：FSDP 让它从前向到反向传播一直保持完整，因为反向传播是从输出投影开始的。
 #
-# 这次 CPU 运行展示不了的是重叠。在 gloo 上，每个集合通信都要执行完，下一段计算才会开始，所以各个色条首尾相接地排开。在 GPU 上，FSDP2 在单独的 CUDA stream 上执行 all-gather 和 reduce-scatter，所以预取的 all-gather 确实会与当前 block 的计算同时进行（见 torch 2.13 中 `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` 的 `all_gather_stream` 和 `reduce_scatter_stream`；仅限 GPU，这里没有测量）。这份跟踪还暴露了 gloo 的一个细节：reduce-scatter 实际上是用 all-reduce 完成的（每个 `post_backward_reduce` 里都有一个 `gloo:all_reduce`）。
+# 这份 trace 展示的是顺序，不是重叠。FSDP2 以 `async_op=False` 发起 all-gather，靠单独的 CUDA stream 让它与计算并行，所以在 CPU 上训练线程要等完每一次 all-gather，各个色条首尾相接地排开（第 06 课会测量这一点，以及改用异步 all-gather 后有什么变化）。这份 trace 还暴露了 gloo 的一个细节：reduce-scatter 实际上是用 all-reduce 完成的（每个 `post_backward_reduce` 里都有一个 `gloo:all_reduce`）。
+#
+# <details><summary>这些 stream 在 torch 源码中的位置</summary>
+#
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` 中的 `all_gather_stream` 和 `reduce_scatter_stream`（torch 2.13）。仅限 GPU，这里没有测量。
+# </details>
 #
 # ### 数一数 FSDP 的通信字节
 #
@@ -239,7 +250,7 @@ for r, m in enumerate(meshes):
 #
 # ### 实测：每个 rank 持有的字节数
 #
-# `lessons/fsdp_workers.py` 针对每种策略，用实验脚本自己的函数构建模型，执行一次优化器步，然后把每个 rank 所持张量背后的存储加起来（实验工具包探针 `labs/labkit/probes.py` 中的 `measure_state_bytes`）。world size 分别取 1、2、4：
+# `lessons/fsdp_workers.py` 针对每种策略，用实验脚本自己的函数构建模型，让优化器更新一次，然后把每个 rank 所持张量背后的存储加起来（实验工具包探针 `labs/labkit/probes.py` 中的 `measure_state_bytes`）。world size 分别取 1、2、4：
 
 # %%
 measured = {n: run_workers(fsdp_workers.measure_strategies, n, ("ddp", "zero3"), timeout_s=240)
@@ -384,7 +395,7 @@ assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
 # - **`--mixed-precision bf16`** 是 FSDP 自己的 `MixedPrecisionPolicy(param_dtype=bfloat16,
 #   reduce_dtype=float32)`：FSDP 在 all-gather *之前*就把每个分片转换成 bf16，所以 gather 传输的字节减半，block 也用 bf16 计算；梯度仍以 fp32 做 reduce-scatter，分片后的参数和 AdamW 状态也仍是 fp32。它不需要 autocast：在前向和反向传播中，参数本身就是 bf16。在 GPU 上这是实验的默认设置（`--mixed-precision auto` 跟随 `--amp`：GPU 支持 bf16 时用 bf16，不支持时用 fp16 加 GradScaler）；在 CPU 上默认仍是 fp32，以保证一致性。
 # - **`--activation-checkpointing`** 只保留每个 block 的输入，其余的在反向传播中重新计算：在生成本页的那次运行中，保存的字节数降到约 1/9（断言：降幅超过 5 倍），代价是每个 block 多做一次前向。重计算时，参数已经为反向传播 gather 好了，所以不会增加通信字节。
-# - **`--cpu-offload`** 把分片状态和优化器步放在 CPU 上，每个单元 all-gather 时再把它复制到 GPU。在只有 CPU 的机器上无处可卸载：这一行测得的字节数与默认相同，也说明不了它在 GPU 上的代价。
+# - **`--cpu-offload`** 把分片状态和优化器的更新放在 CPU 上，每个单元 all-gather 时再把它复制到 GPU。在只有 CPU 的机器上无处可卸载：这一行测得的字节数与默认相同，也说明不了它在 GPU 上的代价。
 # - **`--compile`**（inductor，逐 block 编译）把编译开销付在第一步，既不改变通信字节，也不改变保存的激活值；在这个很小的 CPU 模型上，稳定后的步耗时几乎不变。第 06 课会在计算占主导的场景下测量它。
 #
 # 步耗时是这台 2 核机器上的数字，模型又这么小，Python 开销和 gloo 占了大头；所以这些时间只打印、不断言，唯一的例外是断言编译在第一步花掉的时间超过它省下的时间。
@@ -407,7 +418,12 @@ assert not any(key.startswith("dp_replicate") and "gather" in key for key in by_
 #
 # ## 从 FSDP1 到 FSDP2
 #
-# 要演示一次能实际运行的迁移，FSDP1 本身得能跑起来，而在这台只有 CPU 的机器上它跑不起来：它的构造函数要求有加速器。（改传 `device_id=torch.device("cpu")` 的话，在这里的 torch 2.13 上进程直接以 SIGSEGV 崩溃。）所以下表中 FSDP1 那一侧仅限 GPU，CI 中不执行：
+# FSDP2 用对每个模块调用一次函数，取代了 FSDP1 的包装类。下面的 diff 移植了一个典型的 FSDP1 脚本，其后的表格把 FSDP1 的每个选项对应到 FSDP2。FSDP1 本身需要加速器，所以它那一侧只能在 GPU 上运行；下面的单元格展示它在这台 CPU 上如何拒绝运行。
+#
+# <details><summary>为什么这里不运行 FSDP1</summary>
+#
+# FSDP1 的构造函数要求有加速器。改传 `device_id=torch.device("cpu")` 的话，进程直接以 SIGSEGV 崩溃（torch 2.13）。所以表中 FSDP1 那一侧仅限 GPU，CI 中不执行。
+# </details>
 
 # %%
 fsdp1 = run_workers(fsdp_workers.fsdp1_refuses_cpu, 2, timeout_s=120)[0]
@@ -496,7 +512,8 @@ assert (major, minor) >= (2, 6)
 # ## 小结
 #
 # - 每个 rank 的常驻状态：DDP 在 fp32 + AdamW 下为每个参数 16 B，与 N 无关；ZeRO-3/FSDP 为 16/N。这里的实测值与估算器相差在 5% 以内，FSDP 与 DDP / N 相差也在 5% 以内。
-# - FSDP = 分片 + 使用前 all-gather + 反向传播后 reduce-scatter；手动实现得到的数值与 `fully_shard` 相同。
+# - FSDP = 分片 + 使用前 all-gather + 反向传播后 reduce-scatter；手动实现得到的数值与 `fully_shard` 相同。它发送的字节数约为 DDP 的 1.5 倍，换来 1/N 的内存。
+# - HSDP 在组内（一个节点内）分片、在组间复制：跨越较慢链路的只有梯度分片的 all-reduce。
 # - 在 meta 设备上构建，先对各个 block、再对根模块调用 `fully_shard`，然后 `to_empty`，最后填充各自的分片。
 # - 峰值比表中的数字高：还要加上 gather 出来的单元、它的预取、激活值和 buffer。
 #

@@ -49,7 +49,9 @@ from spawn import launch_lab, run_workers  # noqa: E402
 # %% [markdown]
 # ## 为什么
 #
-# FSDP 对参数、梯度和优化器状态做了分片，但每个 rank 仍然要在自己的微批次上跑完整的层，所以**激活值**并没有被分片。序列一长，激活值就成了显存的大头。Korthikanti 等人（arXiv:2205.05198，表 2）统计了一个 Transformer 层为反向传播保存的激活值字节数（激活值为 16 位，不做重计算），记序列长度为 s、微批次大小为 b、隐藏维度为 h、注意力头数为 a、TP 并行度为 t：
+# FSDP 对参数、梯度和优化器状态做了分片，但每个 rank 仍然要在自己的微批次上跑完整的层，所以**激活值**并没有被分片。序列一长，激活值就成了显存的大头。张量并行（TP）把每一层的矩阵乘法分到 t 个 rank 上，所以每个 rank 只保存大部分激活值的一个切片；*序列并行*（SP）与 TP 配合使用，还把各个 norm 和残差流沿序列维切开，这部分激活值也随之缩小为 1/t。
+#
+# Korthikanti 等人（arXiv:2205.05198，表 2）统计了一个 Transformer 层为反向传播保存的激活值字节数（激活值为 16 位，不做重计算），记序列长度为 s、微批次大小为 b、隐藏维度为 h、注意力头数为 a、TP 并行度为 t：
 #
 # | 布局 | 每层字节数 |
 # |---|---|
@@ -97,30 +99,31 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 # %% [markdown]
 # 每个微批次几十 GB，而且压在每一层的关键路径上：节点内不到十分之一秒，跨节点则要大半秒，每个微批次都是如此。
 #
-# FSDP 的通信量更小，而且不在关键路径上：在*每个*微批次的前向中，它对每个 block 的参数做一次 all-gather，反向中再做一次（梯度累积省不掉这些）；如果其余微步关闭了梯度同步，它每步只对梯度做一次 reduce-scatter。这些通信都可以与计算重叠。因此采用 2D 布局：**节点内用 TP，跨节点用 FSDP。**
+# FSDP 的通信量并不更小：t = 8 时，在*每个*微批次的前向中，每个 rank 仍要 all-gather 它那 1/8 的 bf16 权重（70e9 x 2 B / 8，约 17.5 GB），反向中再来一次（梯度累积省不掉这些），每步还要对梯度做一次 reduce-scatter。但层内没有任何计算要等它：当前 block 计算时，下一个 block 的 all-gather 就在进行。TP 的 all-reduce 则夹在同一层的两次矩阵乘法之间，没有什么能把它藏住。因此采用 2D 布局：**节点内用 TP，走高速链路；跨节点用 FSDP。**
 #
 # ## 从零开始：先列并行，再行并行
 #
 # Megatron-LM（Shoeybi 等人，arXiv:1909.08053）这样切分 MLP `y = gelu(x A) B`，使前向和反向各只需一次集合通信：`A` 按输出特征切分（列并行：每个 rank 计算一部分隐藏单元，gelu 又是逐元素运算，所以中间无需交换数据），`B` 按输入特征切分（行并行：每个 rank 得到 y 的一个*部分和*）。
 #
-# 前向对部分和做 all-reduce（即 Megatron 的 `g`）；反向对输入梯度做 all-reduce（即 `f`），因为每个 rank 的切片只贡献了 dL/dx 的一部分。下图对应后文 2 个 rank 的例子（8 个输入，16 个隐藏单元）：
+# 前向对部分和做 all-reduce（即 Megatron 的 `g`）；反向对输入梯度做 all-reduce（即 `f`），因为每个 rank 的切片只贡献了 dL/dx 的一部分。在代码里，`A` 是 `fc1.weight.T`：`nn.Linear` 按 (out, in) 存储权重，所以切分 A 的列就是切分 `fc1.weight` 的行，切分 B 的行就是切分 `fc2.weight` 的列。下图画的是实际存储的权重，对应后文 2 个 rank 的例子（8 个输入，16 个隐藏单元）：
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), gridspec_kw={"width_ratios": [1, 2]})
 rank_colors = ["tab:blue", "tab:orange"]
-for r in range(2):  # A = fc1.weight，16 x 8：rank r 保留输出行 8r .. 8r+7
+for r in range(2):  # fc1.weight（即 A 的转置），16 x 8：rank r 保留输出行 8r .. 8r+7
     axes[0].add_patch(plt.Rectangle((0, 8 * r), 8, 8, color=rank_colors[r], alpha=0.75))
     axes[0].text(4, 8 * r + 4, f"rank {r}\nrows {8 * r}-{8 * r + 7}", ha="center", va="center",
                  fontsize=11, color="white", fontweight="bold")
-    # B = fc2.weight，8 x 16：rank r 保留输入列 8r .. 8r+7（同一批隐藏单元）
+    # fc2.weight（即 B 的转置），8 x 16：rank r 保留输入列 8r .. 8r+7（同一批隐藏单元）
     axes[1].add_patch(plt.Rectangle((8 * r, 0), 8, 8, color=rank_colors[r], alpha=0.75))
     axes[1].text(8 * r + 4, 4, f"rank {r}\ncolumns {8 * r}-{8 * r + 7}", ha="center",
                  va="center", fontsize=11, color="white", fontweight="bold")
 axes[0].set(xlim=(0, 8), ylim=(16, 0), xlabel="input features (8)", ylabel="hidden units (16)")
-axes[0].set_title("A, column-parallel:\neach rank computes its hidden units", fontsize=11)
-axes[1].set(xlim=(0, 16), ylim=(8, 0), xlabel="hidden units (16)", ylabel="outputs (8)")
-axes[1].set_title("B, row-parallel: each rank a partial sum of y,\nall-reduced forward (g)",
+axes[0].set_title("fc1.weight = A transposed: A's columns\nare these rows (column-parallel)",
                   fontsize=11)
+axes[1].set(xlim=(0, 16), ylim=(8, 0), xlabel="hidden units (16)", ylabel="outputs (8)")
+axes[1].set_title("fc2.weight = B transposed: B's rows are these\ncolumns (row-parallel), "
+                  "partial sums all-reduced (g)", fontsize=11)
 for ax in axes:
     ax.set_aspect("equal")
     ax.tick_params(labelsize=10)
@@ -234,7 +237,12 @@ assert "Mesh should not be bigger than default world size" in mistakes["mesh_too
 #
 # 四个 rank，三种网格形状 (dp, tp) = (4, 1)、(2, 2)、(1, 4)，每种分别不带和带序列并行。每次运行都让每个 rank 的微批次保持为 4 条序列（`--batch-size 4 x dp`），这样对比结果只反映 TP 切分掉的那部分。
 #
-# `--check-parity` 在单个进程中用相同的 batch 训练，并以 fp32 逐一比较每个参数（误差在 1e-5 以内，见下文）；`--count-comms` 用 `CommDebugMode` 测量第 1 步，并统计 autograd 为反向保存的字节数。第一次运行启动的是真正的 torchrun，和你自己运行时一样；其余几次的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`）：每个 rank 的环境相同，在 2 核笔记本上每次约省 10 s 启动时间。
+# `--check-parity` 在单个进程中用相同的 batch 训练，并以 fp32 逐一比较每个参数（误差在 1e-5 以内，见下文）；`--count-comms` 用 `CommDebugMode` 测量第 1 步，并统计 autograd 为反向保存的字节数。
+#
+# <details><summary>这几次运行是怎么启动的</summary>
+#
+# 第一次运行启动的是真正的 torchrun，和你自己运行时一样；其余几次的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`）：每个 rank 的环境相同，在 2 核笔记本上每次约省 10 s 启动时间。
+# </details>
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson03-"))
@@ -299,6 +307,8 @@ assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
 # 不预热时，有少数参数相差约 1e-4，而损失值一致；换成 float64，同一个程序一致到约 1e-13，所以 fp32 下的差距是被 AdamW 放大的舍入误差，不是 bug。加上预热后，fp32 一致性回到约 1e-7。当你自己的一致性检查只差一点没通过时，用 `--parity-dtype float64` 来判断：两种 dtype 下都有差距，是 bug；只在 fp32 下有差距，是舍入误差。
 #
 # ### 每个 rank 的显存占用与 tp 的关系
+#
+# TP 切分激活值，2-D 网格切分状态。预期：随着 tp 增大，每个 rank 的状态保持不变，激活值下降：
 
 # %%
 tps = [1, 2, 4]
@@ -325,7 +335,7 @@ assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < act
 #
 # ### 每步通信量与 tp 的关系
 #
-# `CommDebugMode` 会记下每个集合通信的名字。TP 的集合通信来自 DTensor（`c10d_functional.*`），FSDP 的来自 `fully_shard`（`c10d.*`），所以一步的通信量可以干净地拆开。
+# tp 增大时，FSDP 的通信量减少，TP 的通信量出现：与激活值同样大，而且每一层都有。`CommDebugMode` 会记下每个集合通信的名字。TP 的集合通信来自 DTensor（`c10d_functional.*`），FSDP 的来自 `fully_shard`（`c10d.*`），所以一步的通信量可以干净地拆开。
 #
 # 实验工具包（`labs/labkit/probes.py`）中的 `CommCounter` 按第 00 课的环形系数统计每个 rank *发送*的字节数：对 n 个 rank 的组和 S 字节的完整张量，all-reduce 发送 2 (n-1)/n x S，all-gather 或 reduce-scatter 发送 (n-1)/n x S。（如果改为统计“集合通信经手的张量”，就会混用两种口径：DTensor 的函数式 all-gather 只看到本地分片，而 FSDP 的 all-gather 看到的是聚合后的输出。）
 

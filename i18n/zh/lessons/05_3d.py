@@ -103,9 +103,9 @@ assert traffic["tp"] / NVLINK < 0.2 * compute_s < traffic["tp"] / INFINIBAND
 # %% [markdown]
 # ## 每块 GPU 的显存：70B 方案在 64 块和 512 块 GPU 上
 #
-# `--plan` 打印最忙的那个 rank 持有的内容，数字来自课程的估算器：AdamW 加 fp32 主权重，每个参数 16 字节，按 dp x tp 均分；FSDP 保持 gather 后状态的权重；再加上在途微批次的激活值。它不创建进程组，所以在这里就能运行。
+# `--plan` 打印最忙的那个 rank 持有的内容，数字来自课程的估算器：AdamW 加 fp32 主权重，每个参数 16 字节，按 dp x tp 均分；FSDP 保持 gather 后状态的权重；再加上 in flight 的微批次（已完成前向、尚未完成反向）的激活值。它不创建进程组，所以在这里就能运行。
 #
-# 最忙的 rank 属于第一个阶段：20 个 block，外加词嵌入层和输出层（估算时每个阶段都把这两者算进去），而且在 1F1B 下，它同时在途的微批次最多。有两项不随 dp 增大而缩小。在流水线下，实验让一个阶段的每个 block 在整个一步内都保持 gather 后的状态，每个 block 还带着一份未分片的 fp32 梯度（`reshard_after_forward=False`，而且流水线阶段会把 FSDP 的重新分片和梯度同步推迟到最后一个微批次：`torch/distributed/pipelining/stage.py`）。另外，没有序列并行时，norm 的激活值在每个 tp rank 上都是完整的：一个 block 的激活值中只有其余部分按 tp 均分（`tests/test_plan_measured.py` 用 CPU 上实测的字节数检验这两项）。
+# 最忙的 rank 属于第一个阶段：20 个 block，外加词嵌入层和输出层（估算时每个阶段都把这两者算进去），而且在 1F1B 下，它同时 in flight 的微批次最多。有两项不随 dp 增大而缩小。在流水线下，实验让一个阶段的每个 block 在整个一步内都保持 gather 后的状态，每个 block 还带着一份未分片的 fp32 梯度（`reshard_after_forward=False`，而且流水线阶段会把 FSDP 的重新分片和梯度同步推迟到最后一个微批次：`torch/distributed/pipelining/stage.py`）。另外，没有序列并行时，norm 的激活值在每个 tp rank 上都是完整的：一个 block 的激活值中只有其余部分按 tp 均分（`tests/test_plan_measured.py` 用 CPU 上实测的字节数检验这两项）。
 
 # %%
 def plan(nproc, pp, dp, tp, *extra):
@@ -254,7 +254,12 @@ for rank in range(4):  # pp 0 上的 rank；rank + 4 持有同一 (dp, tp) 位�
 # 3. 在 pp 1 x dp 2 x tp 4 上断点续训（没有流水线，TP 跨 4 个 rank），在第 8 步停下；
 # 4. 在单进程（pp 1 x dp 1 x tp 1）中断点续训，跑到第 12 步。
 #
-# 每一段恢复的训练也各自做一致性检查（它的参考从第 0 步开始训练），所以每种布局都与单进程对照过；而且串起来的 loss 必须与不间断那次运行的 loss 接得上。检查点以整个模型中的名字（`layers.3.attention.wq.weight`）保存每个张量，并记下每个分片的偏移量，所以任何布局都能读出自己需要的切片。第一次运行启动的是真正的 torchrun，和你自己运行时一样；后面三段的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`），在 2 核笔记本上，8 个 rank 每次约省 20 s 启动时间。
+# 每一段恢复的训练也各自做一致性检查（它的参考从第 0 步开始训练），所以每种布局都与单进程对照过；而且串起来的 loss 必须与不间断那次运行的 loss 接得上。检查点以整个模型中的名字（`layers.3.attention.wq.weight`）保存每个张量，并记下每个分片的偏移量，所以任何布局都能读出自己需要的切片。
+#
+# <details><summary>这几次运行是怎么启动的</summary>
+#
+# 第一次运行启动的是真正的 torchrun，和你自己运行时一样；后面三段的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`），在 2 核笔记本上，8 个 rank 每次约省 20 s 启动时间。
+# </details>
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson05-"))
@@ -334,7 +339,7 @@ plt.show()
 # ## 练习
 #
 # 1. **换一种布局来计数。** 用 `["--pp", "4", "--dp", "1", "--tp",
-#    "2"]` 重新运行记录器（4 个阶段，每个阶段 1 个 block）。先预测：中间阶段 send 和 receive 各 `2 m` 次；dp 为 1 时，FSDP 完全不发起集合通信（只有一个 rank 的组会被它跳过；入门路线的练习 5.1 会在每个 rank 上检查这一点）。
+#    "2"]` 重新运行记录器（4 个阶段，每个阶段 1 个 block）。先预测：中间阶段 send 和 receive 各 `2 m` 次；dp 为 1 时，FSDP 完全不发起集合通信（只有一个 rank 的组会被它跳过；[入门练习](../docs/onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage)中的练习 5.1 会在每个 rank 上检查这一点）。
 # 2. **交错调度。** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
 #    Interleaved1F1B --dp 2 --tp 2 --check-parity`：2 个 pp rank 上共 4 个阶段。公式里哪些次数会翻倍？
 # 3. **规划你的集群。** 用 `--plan --model 70b --gpu H100-80GB --activation-checkpointing` 找出能让方案放得下的最小 `--nproc`（32 的倍数，配合 `--pp 4 --tp 8`），然后试试 `--pp 8`（64 的倍数），比较激活值那一行。自查：dp 并行度等于 `nproc / (pp x tp)`，即 pp 4 x tp 8 时为 `nproc / 32`，pp 8 x tp 8 时为 `nproc / 64`。
