@@ -1,7 +1,9 @@
-"""docs/onboarding.md: the path covers every lesson and runbook, and every exercise's worked
-answer passes its self-check while a typical wrong answer fails it.
+"""The onboarding pages: the plan (docs/onboarding.md) covers every lesson and runbook and hands
+in every exercise; in the exercise book (docs/onboarding-exercises.md) every worked answer
+passes its self-check while a typical wrong answer, and the self-check pasted as the answer,
+fail it.
 
-Page convention (see the page source):
+Exercise book convention (see the page source):
 - ```python title="self-check N.M"```       the check the learner's answer must pass;
 - ```python title="answer N.M"```           the worked answer (indented, inside `??? note`);
 - ```bash title="run N.M"```                optional: a lab run whose output the check reads;
@@ -9,6 +11,8 @@ Page convention (see the page source):
 Lab runs write under /tmp/onboarding/; the test points that at its own temporary directory.
 """
 
+import ast
+import builtins
 import os
 import re
 import subprocess
@@ -19,7 +23,12 @@ from pathlib import Path
 import pytest
 from launcher import PYTHON, REPO
 
-PAGE = REPO / "docs" / "onboarding.md"
+import onboarding_week as week  # tools/onboarding_week.py (conftest puts tools/ on the path)
+
+PLAN = REPO / "docs" / "onboarding.md"
+BOOK = REPO / "docs" / "onboarding-exercises.md"
+RUBRIC = REPO / "docs" / "onboarding-rubric.md"
+SELFCHECK = REPO / "exercises" / "selfcheck.py"  # what every self-check block calls
 OUT = "/tmp/onboarding"
 BLOCK = re.compile(r'^( *)```(\w+) title="(self-check|answer|run) (\d+\.\d+)"\n(.*?)^\1```',
                    re.M | re.S)
@@ -44,7 +53,7 @@ def parse_exercises(text):
     return exercises
 
 
-EXERCISES = parse_exercises(PAGE.read_text())
+EXERCISES = parse_exercises(BOOK.read_text())
 
 
 def env_for(out_dir):
@@ -82,7 +91,7 @@ def test_page_parses_into_complete_exercises():
     lessons = sorted(int(p.name[:2]) for p in (REPO / "lessons").glob("[0-9][0-9]_*.py"))
     assert sorted(by_lesson) == lessons, "every lesson needs exercises, and only lessons"
     assert all(2 <= len(ids) <= 3 for ids in by_lesson.values()), by_lesson
-    text = PAGE.read_text()
+    text = PLAN.read_text()
     hand_ins = re.findall(r"Hand in\s+exercises?\s+([0-9.,\sand]+)", text)
     handed_in = re.findall(r"\d+\.\d+", " ".join(hand_ins))
     assert sorted(handed_in) == sorted(EXERCISES), "the path hands in every exercise, once"
@@ -90,8 +99,20 @@ def test_page_parses_into_complete_exercises():
     assert launches <= 2, "keep the test to at most 2 torchrun launches"
 
 
+def test_the_three_pages_link_each_other_and_every_anchor_exists():
+    """The plan, its exercise book and the mentor's rubric were one page: each links the other
+    two, and every #anchor into one of them (from any of them) names a heading there."""
+    pages = {page.name: page.read_text() for page in (PLAN, BOOK, RUBRIC)}
+    for name, text in pages.items():
+        links = re.findall(r"\]\(([\w-]*\.md)?(?:#([\w-]+))?\)", text)
+        assert {n for n in pages if n != name} <= {target for target, _ in links}, name
+        for target, anchor in links:
+            if anchor and (target or name) in pages:
+                week.section(pages[target or name], anchor)  # raises when it is not there
+
+
 def test_path_covers_every_lesson_lab_and_runbook():
-    text = PAGE.read_text()
+    text = PLAN.read_text()
     for lesson in sorted((REPO / "lessons").glob("[0-9][0-9]_*.py")):
         assert f"](lessons/{lesson.stem}.ipynb)" in text, lesson.name
     for lab in sorted((REPO / "labs").glob("lab[0-9][0-9]_*.py")):
@@ -107,7 +128,7 @@ def test_path_covers_every_lesson_lab_and_runbook():
 
 
 def test_timings_table_is_filled_and_sourced():
-    text = PAGE.read_text()
+    text = PLAN.read_text()
     rows = re.findall(r"^\| (.+?) \| `(.+?)` \| (\d+) s \|$", text, re.M)
     assert len(rows) >= 10, "the timing table lists the labs, two lessons and the drills"
     table = text.split("| what | command | measured |\n|---|---|---|\n", 1)[1].split("\n\n")[0]
@@ -128,3 +149,88 @@ def test_worked_answer_passes_and_wrong_answer_fails(ex_id, out_dir):
     assert bad.returncode != 0, f"self-check {ex_id} accepts the wrong answer"
     # The check itself must reject it, not a crash in the wrong answer's code.
     assert "AssertionError" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("ex_id", sorted(EXERCISES))
+def test_pasting_the_self_check_as_the_answer_fails(ex_id, out_dir):
+    """The self-check block shows nothing to copy: given as the answer, it still fails."""
+    check = EXERCISES[ex_id]["self-check"]
+    pasted = run_python(check + "\n" + check, out_dir)
+    assert pasted.returncode != 0, f"self-check {ex_id} passes when pasted as its own answer"
+
+
+def reference_calls():
+    """Names of the functions exercises/selfcheck.py calls in the course's (or torch's) code
+    to compute its references (estimate_per_rank, datasheet_tokens_per_s, bus_factor, ...)
+    and its own helpers; not the learner's functions it is given."""
+    tree = ast.parse(SELFCHECK.read_text())
+    imported = {alias.asname or alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    calls = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            calls.add(node.func.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            calls.add(node.func.id)
+    answers = {arg.arg for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+               for arg in node.args.args}  # the learner's functions, passed in to be checked
+    return {c for c in calls if c in imported or c not in dir(builtins)} - answers
+
+
+def test_self_checks_only_call_their_check():
+    """A self-check block imports exercises/selfcheck.py and calls check_N_M with the
+    exercise's names: it never calls what computes the reference itself."""
+    references = reference_calls()
+    assert {"estimate_per_rank", "datasheet_tokens_per_s", "bus_factor",
+            "stage_ids_for_rank", "DistributedSampler"} <= references, references
+    for ex_id, exercise in sorted(EXERCISES.items()):
+        tree = ast.parse(exercise["self-check"])
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not names & references, f"self-check {ex_id} calls {names & references}"
+        calls = [ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        want = f"selfcheck.check_{ex_id.replace('.', '_')}"
+        assert sorted(calls) == sorted(["sys.path.insert", want]), (ex_id, calls)
+
+
+WEEK_HEADER = "| day | steps | read | run (measured) | hand in |\n|---|---|---|---|---|\n"
+
+
+def week_rows(text):
+    """The figures of each row of "Your week": the steps it names, the words and reading
+    minutes, the measured run seconds and how many commands it says are not timed."""
+    table = text.split(WEEK_HEADER, 1)[1].split("\n\n")[0]
+    rows = []
+    for line in table.splitlines():
+        _day, steps, read, run, _hand_in = (cell.strip() for cell in line.strip("|").split("|"))
+        words, minutes = re.fullmatch(r"([\d,]+) words: (\d+) min", read).groups()
+        run_min, run_s, untimed = re.match(r"(?:(\d+) min )?(\d+) s(?: \+ (\d+) not timed)?",
+                                           run).groups()
+        rows.append({"steps": [s if s in week.CAPSTONES else int(s)
+                               for s in steps.split(":")[0].split(", ")],
+                     "figures": (int(words.replace(",", "")), int(minutes),
+                                 60 * int(run_min or 0) + int(run_s), int(untimed or 0))})
+    return rows
+
+
+def test_the_week_is_planned_from_measured_figures():
+    """Each day's reading minutes are its pages' words at the stated rate, its run time the
+    timing table's, and the days are the steps packed as tools/onboarding_week.py packs them."""
+    text = PLAN.read_text()
+    rows = week_rows(text)
+    days = week.plan_days()
+    assert [row["steps"] for row in rows] == days, "run python tools/onboarding_week.py"
+    for row in rows:
+        words, minutes, seconds, untimed = week.day_cost(row["steps"])
+        assert row["figures"] == (words, minutes, seconds, len(untimed)), (
+            f"steps {row['steps']}: the table says {row['figures']}, the pages give "
+            f"{(words, minutes, seconds, len(untimed))}; run python tools/onboarding_week.py")
+    assert f"**{len(days)} days**" in text and f"at {week.WORDS_PER_MINUTE} words a minute" in text
+
+
+def test_words_are_counted_as_a_reader_reads_them():
+    page = "# T\n\nOne two.\n\n## A b\n\n| x | y |\n|---|---|\n<!-- hidden -->\n### C\nthree\n## D\nfour\n"
+    assert week.count_words(page) == 11  # T One two. A b x y C three D four: no `|`, `#`, `---`
+    assert week.count_words(week.section(page, "a-b")) == 6  # A b x y C three: up to "## D"
+    with pytest.raises(ValueError):
+        week.section(page, "missing")

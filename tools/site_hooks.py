@@ -442,7 +442,10 @@ def on_config(config):
     runbooks = ["runbooks/index.md", *runbook_nav_groups(lang)]
     reference = sorted([*(f"reference/{p.name}" for p in (docs / "reference").glob("*.md")),
                         "reference/torchrun-flags.md"])
-    onboarding = [{say["Start here"]: "onboarding.md"}] if (docs / "onboarding.md").exists() else []
+    # The onboarding plan, then its exercise book and the mentor's rubric.
+    onboarding = [p for p in ("onboarding.md", "onboarding-exercises.md", "onboarding-rubric.md")
+                  if (docs / p).exists()]
+    onboarding = [{say["Start here"]: onboarding}] if onboarding else []
     config.nav = [{say["Home"]: "index.md"}, *onboarding, {say["Lessons"]: lessons},
                   {say["Labs"]: labs}, {say["Exercises"]: "exercises/README.md"},
                   {say["Runbooks"]: runbooks},
