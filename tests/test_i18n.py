@@ -6,6 +6,7 @@ translation keeps the code, the links and the headings, and uses the glossary's 
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -41,10 +42,46 @@ def test_the_glossary_is_well_formed():
     terms = yaml.safe_load(i18n.TERMS.read_text())
     preferred = {t["zh"] for t in terms}
     for term in terms:
-        assert set(term) <= {"en", "zh", "avoid"} and term["en"] and term["zh"], term
+        assert set(term) <= {"en", "zh", "avoid", "allow"} and term["en"] and term["zh"], term
         for variant in term.get("avoid", []):
             # A variant inside a preferred term would flag every correct use of it.
             assert not any(variant in p for p in preferred), (variant, term)
+        for pattern in term.get("allow", []):
+            # An allowed context exempts uses of one of its entry's variants, and compiles.
+            assert re.compile(pattern) and any(v in pattern for v in term["avoid"]), term
+
+
+# (a calque, the same thing as a Chinese engineer writes it): issue 中文版, section 2.
+CALQUES = [
+    ("取每种调度的中位数稳定步", "取每种调度稳态下耗时居中的那一步"),
+    ("中位数步时为 41 ms", "步耗时的中位数为 41 ms"),
+    ("按墙钟时间测出的气泡", "按实际耗时（wall time）测出的气泡"),
+    ("每个 worker 有 2 个在途 batch", "每个 worker 最多有 2 个 in-flight（已发出、尚未完成）的 batch"),
+    ("与账本的预测完全一致", "与 ledger 的预测完全一致"),
+    ("只要阶段足够重，气泡就落在公式上", "只要每个阶段的计算量足够大，气泡就落在公式上"),
+]
+
+
+@pytest.mark.parametrize("calque,natural", CALQUES)
+def test_the_glossary_rejects_calques_and_passes_the_natural_wording(calque, natural):
+    """A phrase that only makes sense through the English fails the check (naming it and its
+    line); the wording it stands for passes. The real glossary, so removing an entry fails."""
+    english = "One sentence.\n\nAnother.\n"
+    problems = i18n.markdown_problems(english, f"一句话。\n\n{calque}。\n")
+    assert problems and all("(line 3)" in p for p in problems), problems
+    assert i18n.markdown_problems(english, f"一句话。\n\n{natural}。\n") == []
+
+
+@pytest.mark.parametrize("text,rejected", [
+    ("步时 41 ms", True),
+    ("每步时间 41 ms", True),
+    ("步耗时 41 ms", False),          # the glossary's term
+    ("在第 10 步时崩溃", False),       # "at step 10": the entry's allow pattern
+    ("第10步时", False),
+    ("走到这一步时再看", False),
+])
+def test_step_time_calque_is_a_word_not_two_characters(text, rejected):
+    assert bool(i18n.markdown_problems("Text.\n", text + "。\n")) is rejected
 
 
 def test_search_segments_every_glossary_term_as_one_word():

@@ -13,7 +13,10 @@ block and every inline code span, every link target, and the heading structure (
 headings get the English anchors at build time, so links into a page work in both languages).
 Code is compared with its comments set aside (Python and shell: code, flags and strings stay
 verbatim, the `#` comments are translated); other blocks (output, YAML) stay verbatim.
-It must use the glossary's terms (i18n/zh/terms.yml), not the variants it lists as avoided.
+It must use the glossary's terms (i18n/zh/terms.yml), not the variants it lists as avoided:
+other translations of a term, and calques that only make sense through the English (墙钟 for
+wall time, 在途 for in flight); an entry's `allow` patterns exempt ordinary Chinese that
+contains a variant without being it (第 10 步时, "at step 10", is not 步时, "step time").
 Across the Chinese pages, every link to a page names it by one title: the link text's part
 before the first "：" or "，" (what follows may name a section: "集合通信超时：快速排查").
 
@@ -107,10 +110,27 @@ def recorded_hashes():
 
 
 def avoided_terms():
+    """{variant: (its entry's English, the glossary's term, the patterns of text where the
+    variant's characters are not the variant)} for every variant terms.yml lists as avoided."""
     import yaml
 
-    return {variant: entry["zh"] for entry in yaml.safe_load(TERMS.read_text())
+    return {variant: (entry["en"], entry["zh"],
+                      [re.compile(pattern) for pattern in entry.get("allow", [])])
+            for entry in yaml.safe_load(TERMS.read_text())
             for variant in entry.get("avoid", [])}
+
+
+def avoided_uses(text):
+    """(variant, its entry's English, the glossary's term, line) of the first use of each
+    avoided variant in text, outside the contexts its entry allows."""
+    uses = []
+    for variant, (english, preferred, allowed) in avoided_terms().items():
+        exempt = [m.span() for pattern in allowed for m in pattern.finditer(text)]
+        for m in re.finditer(re.escape(variant), text):
+            if not any(start <= m.start() and m.end() <= end for start, end in exempt):
+                uses.append((variant, english, preferred, text.count("\n", 0, m.start()) + 1))
+                break
+    return uses
 
 
 def without_fences(text):
@@ -196,9 +216,10 @@ def difference(name, english, chinese):
 def markdown_problems(english_text, chinese_text):
     ours, theirs = structure(english_text), structure(chinese_text)
     problems = [p for key in ours for p in difference(key, ours[key], theirs[key]) if p]
-    for variant, preferred in avoided_terms().items():
-        if variant in chinese_text:
-            problems.append(f"uses {variant!r}: the glossary's term is {preferred!r}")
+    for variant, english, preferred, line in avoided_uses(chinese_text):
+        say = "keeps the English word" if preferred == "keep" else f"says {preferred!r}"
+        problems.append(f"uses {variant!r} (line {line}): for {english!r} the glossary "
+                        f"(i18n/zh/terms.yml) {say}")
     return problems
 
 
