@@ -480,8 +480,8 @@ assert round(published["FSDP"] * flop_per_token / 989e12, 2) == 0.34
 #
 # ## 练习
 #
-# 1. **手算每 token 的 FLOPs**，以及公开训练的 MFU：[入门练习](../docs/onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu)中的练习 6.1。
-# 2. **FSDP 的通信什么时候藏不住了**：[入门练习](../docs/onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding)中的练习 6.2。
+# 1. **手算每 token 的 FLOPs**，以及公开训练的 MFU：[入门练习](../onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu)中的练习 6.1。
+# 2. **FSDP 的通信什么时候藏不住了**：[入门练习](../onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding)中的练习 6.2。
 # 3. **你自己的机器。** 运行 `python labs/perf_model.py --check --dims 256,1024`，对每个配置，看预测中哪一项占主导，以及实测值比它高出多少。先预测：lab01 和 lab02 哪个偏差更大，为什么？
 #
 # ## 出问题时
