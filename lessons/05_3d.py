@@ -412,7 +412,7 @@ plt.show()
 # 1. **Count for another layout.** Rerun the recorder with `["--pp", "4", "--dp", "1", "--tp",
 #    "2"]` (4 stages of 1 block). Predict first: an interior stage sends and receives `2 m`
 #    times, and with dp 1 FSDP issues no collective at all (it skips a group of one rank;
-#    [onboarding exercise 5.1](../onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage) checks this on every rank).
+#    [onboarding exercise 5.1](../docs/onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage) checks this on every rank).
 # 2. **Interleaved.** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
 #    Interleaved1F1B --dp 2 --tp 2 --check-parity`: 4 stages on 2 pp ranks. Which counts in
 #    the formula double?

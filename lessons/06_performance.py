@@ -192,7 +192,7 @@ plt.show()
 print(f"cores: {os.cpu_count()}; a 4-rank run gives each rank {os.cpu_count() / 4:.1f} of one")
 
 # %% [markdown]
-# ### Raising it: `torch.compile`
+# ### Raising it: torch.compile
 #
 # Part of a step is not matmuls: the norms, softmax, SwiGLU's product, RoPE and the loss, each a
 # pass over memory. `torch.compile` fuses such ops into fewer kernels. lab02's `--compile`
@@ -646,9 +646,9 @@ assert round(published["FSDP"] * flop_per_token / 989e12, 2) == 0.34
 # ## Exercises
 #
 # 1. **FLOPs per token, by hand**, and the published run's MFU:
-#    [onboarding exercise 6.1](../onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu).
+#    [onboarding exercise 6.1](../docs/onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu).
 # 2. **When FSDP's traffic stops hiding**:
-#    [onboarding exercise 6.2](../onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding).
+#    [onboarding exercise 6.2](../docs/onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding).
 # 3. **Your machine.** Run `python labs/perf_model.py --check --dims 256,1024` and read, for
 #    each case, which term of the prediction dominates and how far the measurement sits above
 #    it. Predict first: which of lab01 and lab02 misses by more, and why?

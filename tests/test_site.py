@@ -71,9 +71,13 @@ def broken_links(site_dir):
                 target = (page.parent / unquote(url.path)).resolve()
             if target.is_dir():
                 target = target / "index.html"
-            if not target.exists():
+            if not target.is_relative_to(site_dir.resolve()):  # the repository, not the site
+                broken.append(f"{page.relative_to(site_dir)} -> {href} (outside the site)")
+            elif not target.exists():
                 broken.append(f"{page.relative_to(site_dir)} -> {href}")
-            elif url.fragment and target.suffix == ".html":
+            elif url.fragment and target.suffix != ".html":  # a download has no sections
+                broken.append(f"{page.relative_to(site_dir)} -> {href} (an anchor into a file)")
+            elif url.fragment:
                 if target not in parsed_targets:  # parse each page once, not once per link
                     parsed_targets[target] = pages.get(target) or parse(target)
                 if url.fragment not in parsed_targets[target].ids:
@@ -162,6 +166,29 @@ def test_link_checker_catches_a_broken_link(tmp_path):
                                      '<a href="/a.html">z</a><a href="/c.html">w</a>')
     assert broken_links(tmp_path) == ["a.html -> b.html", "a.html -> a.html#nope (no such anchor)",
                                       "a.html -> /c.html"]
+    # A lesson's download sits beside its page: a link into one of its sections is broken.
+    (tmp_path / "a.html").write_text('<a href="n.ipynb">x</a><a href="n.ipynb#why">y</a>')
+    (tmp_path / "n.ipynb").write_text("{}")
+    assert broken_links(tmp_path) == ["a.html -> n.ipynb#why (an anchor into a file)"]
+    # A path that climbs out of the site finds the repository's files, not the site's pages.
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "a.html").write_text('<a href="../n.ipynb">x</a>')
+    assert broken_links(tmp_path / "site") == ["a.html -> ../n.ipynb (outside the site)"]
+
+
+def test_a_lessons_file_links_become_site_pages():
+    """Lessons link files as JupyterLab sees them; the site rewrites them to its pages."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import site_hooks
+
+    def on_site(href):
+        return site_hooks._REPO_LINK.sub(site_hooks.site_link, f'href="{href}"')[6:-1]
+
+    assert on_site("../docs/onboarding-exercises.md#exercise-61") == "../onboarding-exercises.html#exercise-61"
+    assert on_site("06_performance.ipynb#3-the-bubble") == "06_performance.html#3-the-bubble"
+    assert on_site("../exercises/README.md") == "../exercises/index.html"
+    assert on_site("../labs/lab01_ddp.py") == "../labs/lab01_ddp.html"
+    assert on_site("https://example.org/a.md") == "https://example.org/a.md"
 
 
 def test_lab_page_includes_the_real_source(site):

@@ -469,14 +469,16 @@ def on_template_context(context, template_name, config):
 
 
 # Lessons are written to work in JupyterLab, where a link is a file path
-# (../runbooks/index.md, ../labs/lab01_ddp.py, ../exercises/README.md). On the site those are
-# .html pages (a README is its folder's index).
-_REPO_LINK = re.compile(r'href="((?:\.\./)*(?:lessons|labs|runbooks|exercises)/[^"#]+?)'
-                        r'\.(md|ipynb|py)(#[^"]*)?"')
+# (../runbooks/index.md, ../labs/lab01_ddp.py, ../exercises/README.md, ../docs/onboarding.md,
+# or a sibling lesson, 06_performance.ipynb#section). On the site those are .html pages (a
+# README is its folder's index, and docs/ is the site's root).
+_REPO_LINK = re.compile(r'href="((?:\.\./)*(?:lessons|labs|runbooks|exercises|docs)/[^"#]+?'
+                        r'|\d\d_\w+)\.(md|ipynb|py)(#[^"]*)?"')
 
 
 def site_link(match):
     path = re.sub(r"(^|/)README$", r"\1index", match.group(1))
+    path = re.sub(r"(^|/)docs/", r"\1", path)
     return f'href="{path}.html{match.group(3) or ""}"'
 
 

@@ -339,7 +339,7 @@ plt.show()
 # ## 练习
 #
 # 1. **换一种布局来计数。** 用 `["--pp", "4", "--dp", "1", "--tp",
-#    "2"]` 重新运行记录器（4 个阶段，每个阶段 1 个 block）。先预测：中间阶段 send 和 receive 各 `2 m` 次；dp 为 1 时，FSDP 完全不发起集合通信（只有一个 rank 的组会被它跳过；[入门练习](../onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage)中的练习 5.1 会在每个 rank 上检查这一点）。
+#    "2"]` 重新运行记录器（4 个阶段，每个阶段 1 个 block）。先预测：中间阶段 send 和 receive 各 `2 m` 次；dp 为 1 时，FSDP 完全不发起集合通信（只有一个 rank 的组会被它跳过；[入门练习](../docs/onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage)中的练习 5.1 会在每个 rank 上检查这一点）。
 # 2. **交错调度。** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
 #    Interleaved1F1B --dp 2 --tp 2 --check-parity`：2 个 pp rank 上共 4 个阶段。公式里哪些次数会翻倍？
 # 3. **规划你的集群。** 用 `--plan --model 70b --gpu H100-80GB --activation-checkpointing` 找出能让方案放得下的最小 `--nproc`（32 的倍数，配合 `--pp 4 --tp 8`），然后试试 `--pp 8`（64 的倍数），比较激活值那一行。自查：dp 并行度等于 `nproc / (pp x tp)`，即 pp 4 x tp 8 时为 `nproc / 32`，pp 8 x tp 8 时为 `nproc / 64`。

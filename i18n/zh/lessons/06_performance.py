@@ -159,7 +159,7 @@ plt.show()
 print(f"cores: {os.cpu_count()}; a 4-rank run gives each rank {os.cpu_count() / 4:.1f} of one")
 
 # %% [markdown]
-# ### 提高 MFU：`torch.compile`
+# ### 提高 MFU：torch.compile
 #
 # 一步中有一部分不是矩阵乘法：各种 norm、softmax、SwiGLU 的乘积、RoPE 和 loss，每一个都要把数据从内存里过一遍。`torch.compile` 把这类算子融合成更少的 kernel。lab02 的 `--compile` 在分片之前用 inductor 编译每个 block（即 torchtitan 的逐 block 编译）。下面在宽度 1024 下，用两个 rank 对比 eager 和编译后的版本；编译本身发生在第一步，单独报告。
 
@@ -480,8 +480,8 @@ assert round(published["FSDP"] * flop_per_token / 989e12, 2) == 0.34
 #
 # ## 练习
 #
-# 1. **手算每 token 的 FLOPs**，以及公开训练的 MFU：[入门练习](../onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu)中的练习 6.1。
-# 2. **FSDP 的通信什么时候藏不住了**：[入门练习](../onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding)中的练习 6.2。
+# 1. **手算每 token 的 FLOPs**，以及公开训练的 MFU：[入门练习](../docs/onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu)中的练习 6.1。
+# 2. **FSDP 的通信什么时候藏不住了**：[入门练习](../docs/onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding)中的练习 6.2。
 # 3. **你自己的机器。** 运行 `python labs/perf_model.py --check --dims 256,1024`，对每个配置，看预测中哪一项占主导，以及实测值比它高出多少。先预测：lab01 和 lab02 哪个偏差更大，为什么？
 #
 # ## 出问题时
