@@ -26,9 +26,11 @@ WRONG_PORTS = {
 }
 
 
-def grade(port):
-    proc = subprocess.run([PYTHON, str(REPO / "capstone" / "grade.py"), str(port)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+def grade(port, final=False):
+    """capstone/grade.py on `port` (with --final, the final capstone): (exit status, output)."""
+    proc = subprocess.run([PYTHON, str(REPO / "capstone" / "grade.py"),
+                           *(["--final"] if final else []), str(port)],
+                          capture_output=True, text=True, timeout=600 if final else 300, cwd=REPO)
     return proc.returncode, proc.stdout
 
 
@@ -40,17 +42,17 @@ def test_the_reference_ports_pass(port):
     assert "verdict: PASS" in out
 
 
-def grade_edited(tmp_path, edits):
-    """Grade the reference port with `edits` applied: (exit status, output)."""
-    source = REFERENCE.read_text()
+def grade_edited(tmp_path, edits, reference=REFERENCE, final=False):
+    """Grade a reference port with `edits` applied: (exit status, output)."""
+    source = reference.read_text()
     for old, new in edits:
         assert old in source, old  # the edit still applies to the reference
         source = source.replace(old, new)
-    # Next to the reference, so its import of capstone/train_plain.py resolves the same way.
-    port = REFERENCE.with_name(f"_wrong_{tmp_path.name}.py")
+    # Next to the reference, so its import of the capstone's script resolves the same way.
+    port = reference.with_name(f"_wrong_{tmp_path.name}.py")
     port.write_text(source)
     try:
-        return grade(port)
+        return grade(port, final)
     finally:
         port.unlink()
 
@@ -112,14 +114,8 @@ WRONG_2D_PORTS = {
 }
 
 
-def grade_final(port):
-    proc = subprocess.run([PYTHON, str(REPO / "capstone" / "grade.py"), "--final", str(port)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
-    return proc.returncode, proc.stdout
-
-
 def test_the_reference_2d_port_passes_the_final_capstone():
-    returncode, out = grade_final(REFERENCE_2D)
+    returncode, out = grade(REFERENCE_2D, final=True)
     assert returncode == 0, out
     assert sum(line.startswith("PASS  ") for line in out.splitlines()) == 6, out
     assert "verdict: PASS" in out
@@ -128,16 +124,7 @@ def test_the_reference_2d_port_passes_the_final_capstone():
 @pytest.mark.parametrize("name", list(WRONG_2D_PORTS))
 def test_a_typical_wrong_2d_port_fails_with_its_diagnosis(name, tmp_path):
     edits, check, diagnosis = WRONG_2D_PORTS[name]
-    source = REFERENCE_2D.read_text()
-    for old, new in edits:
-        assert old in source, old  # the edit still applies to the reference
-        source = source.replace(old, new)
-    port = REFERENCE_2D.with_name(f"_wrong_{tmp_path.name}.py")
-    port.write_text(source)
-    try:
-        returncode, out = grade_final(port)
-    finally:
-        port.unlink()
+    returncode, out = grade_edited(tmp_path, edits, REFERENCE_2D, final=True)
     assert returncode == 1, out
     line = next(l for l in out.splitlines() if l[6:].startswith(check))
     assert line.startswith("FAIL") and diagnosis in line, out
