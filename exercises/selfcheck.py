@@ -76,6 +76,48 @@ def check_0_2(t2, algbw8, t8):
             "algbw8 * t8 is not the 16 MiB the caller's all-reduce moves")
 
 
+def pattern_bytes(n, dim, hidden, batch):
+    """{"tp": bytes, "ddp": bytes} that rank 0 of n sends in the all-reduce of lesson 00's
+    tp_pattern and ddp_pattern on make_problem's tensors: the lesson's own patterns, run on the
+    fake process group, counted by the lab kit's CommCounter with lesson 00's ring factor."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import collective_workers
+    from labkit.probes import CommCounter
+
+    w1, w2, x = collective_workers.make_problem(dim=dim, hidden=hidden, batch=batch)
+    sent = {}
+    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    try:
+        for name, pattern in (("tp", collective_workers.tp_pattern),
+                              ("ddp", collective_workers.ddp_pattern)):
+            counter = CommCounter({"world": dist.group.WORLD})
+            with counter:
+                pattern(0, n, w1, w2, x)
+            sent[name] = counter.wire_bytes["c10d.allreduce_"]
+    finally:
+        dist.destroy_process_group()
+    return sent
+
+
+def check_0_3(tp_bytes, ddp_bytes, break_even_batch):
+    """tp_bytes and ddp_bytes against lesson 00's patterns, and the batch where they meet."""
+    for n, dim, hidden, batch in [(2, 8, 24, 12), (3, 8, 24, 12), (4, 16, 64, 8)]:
+        sent = pattern_bytes(n, dim, hidden, batch)
+        for name, answer, what in (("tp", tp_bytes, "the partial output"),
+                                   ("ddp", ddp_bytes, "the gradient")):
+            require(abs(answer(batch, dim, hidden, n) - sent[name]) <= 1,
+                    f"{name}_bytes({batch}, {dim}, {hidden}, {n}) is not what rank 0 sends in "
+                    f"{name}_pattern's all-reduce: how large is {what} it reduces, and what "
+                    "does a ring send of it?")
+        # Both grow linearly: TP's with the batch, DDP's not at all.
+        per_sample = sent["tp"] / batch
+        require(abs(break_even_batch(dim, hidden) - sent["ddp"] / per_sample) < 1e-9,
+                f"break_even_batch({dim}, {hidden}): at that batch the two all-reduces do not "
+                "send the same bytes")
+
+
 # ------------------------------------------------------------------ lesson 01: DDP
 def ddp_bucket_sizes(model, bucket_cap_mb, inputs, targets):
     """The bucket sizes DDP launches in the second backward, recorded by a comm hook."""
@@ -139,6 +181,52 @@ def check_1_2(rank_indices):
                         "what DistributedSampler yields on that rank in that epoch")
 
 
+class NamedSamples:
+    """A dataset whose sample i is the number i: what a loader yields names its samples."""
+
+    def __init__(self, num_samples):
+        self.num_samples = num_samples
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        import torch
+
+        return torch.tensor([index]), torch.tensor([index])
+
+
+def lab01_resumed_batch(num_samples, world_size, rank, micro_batch, grad_accum, start_step,
+                        seed):
+    """The dataset indices of the first micro-batch lab01's own micro_batches() yields on
+    `rank` when the run resumes at optimizer step `start_step`."""
+    import lab01_ddp
+
+    cfg = lab01_ddp.parse_config(["--num-samples", str(num_samples), "--grad-accum",
+                                  str(grad_accum), "--seed", str(seed)])
+    cfg.batch_size = micro_batch * world_size * grad_accum
+    original = lab01_ddp.build_dataset
+    lab01_ddp.build_dataset = lambda cfg: NamedSamples(cfg.num_samples)
+    try:
+        inputs, _ = next(iter(lab01_ddp.micro_batches(cfg, rank, world_size, start_step)))
+    finally:
+        lab01_ddp.build_dataset = original
+    return inputs.flatten().tolist()
+
+
+def check_1_3(resumed_batch):
+    """resumed_batch(...) equals the first micro-batch lab01 reads after a resume."""
+    for num_samples, world_size, rank, micro_batch, grad_accum, start_step, seed in [
+            (100, 3, 1, 4, 2, 7, 0), (512, 2, 1, 8, 1, 40, 0), (37, 4, 3, 2, 3, 5, 0),
+            (64, 2, 0, 4, 1, 8, 0), (50, 4, 2, 3, 1, 3, 5)]:
+        args = (num_samples, world_size, rank, micro_batch, grad_accum, start_step)
+        require(resumed_batch(*args, seed=seed)
+                == lab01_resumed_batch(*args, seed),
+                f"resumed_batch{args}, seed={seed}: not the first micro-batch lab01 reads on rank "
+                f"{rank} after resuming at step {start_step}: which epoch is that step in, how far "
+                "into it, and how many samples does each rank get per epoch?")
+
+
 # ------------------------------------------------------------------ lesson 02: FSDP
 def check_2_1(total_gb, per_rank_gb, bf16_8b_per_rank_gb):
     """The 70B and 8B state sizes, against labs/memory_estimator.py."""
@@ -190,6 +278,29 @@ def check_2_3(predict_chunks, num_files, step_dir):
             "num_files is not the number of .distcp files in the checkpoint")
 
 
+def check_2_4(hsdp_state_bytes, cross_replica_bytes, smallest_shards):
+    """HSDP's state per rank and its traffic across replicas, against labs/memory_estimator.py
+    and lesson 00's ring factor; the smallest shard group that holds a 70B model in 80 GB."""
+    import comm_bench
+    import memory_estimator as est
+
+    for num_params, replicas, shards in [(70e9, 64, 8), (8e9, 4, 1), (8e9, 1, 8), (1e9, 2, 2),
+                                         (70e9, 32, 16)]:
+        label = f"({num_params:g}, {replicas}, {shards})"
+        sharded = est.estimate_per_rank(num_params, shards, "zero3")
+        require(close(hsdp_state_bytes(num_params, replicas, shards), sharded.total_bytes, 1e-6),
+                f"hsdp_state_bytes{label}: not the params, grads and AdamW state one rank holds "
+                "(fp32): over how many ranks is each copy of the state sharded?")
+        across = comm_bench.bus_factor("all_reduce", replicas) * sharded.grads_bytes
+        require(close(cross_replica_bytes(num_params, replicas, shards), across, 1e-6),
+                f"cross_replica_bytes{label}: not what one rank sends over the replicate axis "
+                "per step: which gradients cross it, and by which collective?")
+    fits = next(shards for shards in (2**i for i in range(12))
+                if est.estimate_per_rank(70e9, shards, "zero3").total_bytes <= 80e9)
+    require(smallest_shards == fits,
+            "smallest_shards is not the smallest power of two that holds the 70B state in 80 GB")
+
+
 # ------------------------------------------------------------------ lesson 03: TP + FSDP
 def check_3_1(mesh_shape, tp_group_of_13, dp_group_of_13):
     """The (dp, tp) mesh of 8 x 8 GPUs at TP 4, and rank 13's groups in it."""
@@ -230,6 +341,63 @@ def check_3_2(tp_mlp):
                 f"tp={tp}: rank 0's partial already is the answer: no rank has it alone")
 
 
+def lab03_wire_bytes(tp, batch, vocab_size, loss_parallel):
+    """{collective: bytes} rank 0 of a tp group sends in one forward and backward of lab03's
+    model under the lab's TP plan (no FSDP, no sequence parallel), on the fake process group,
+    counted by the lab kit's CommCounter."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import lab03_tp_fsdp
+    from labkit.model import build_model, loss_fn
+    from labkit.probes import CommCounter
+
+    cfg = lab03_tp_fsdp.parse_config(["--tp", "1", "--num-heads", "8",
+                                      "--vocab-size", str(vocab_size)])
+    cfg.tp, cfg.loss_parallel = tp, loss_parallel  # the plan's inputs; the world is faked
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
+        model = build_model(cfg)
+        lab03_tp_fsdp.apply_tp(model, mesh["tp"], cfg)
+        tokens = torch.randint(0, vocab_size, (batch, cfg.seq_len + 1))
+        counter = CommCounter({"tp": mesh["tp"].get_group()})
+        with counter, parallel_loss() if loss_parallel else contextlib.nullcontext():
+            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    finally:
+        dist.destroy_process_group()
+    return dict(counter.wire_bytes), cfg.seq_len
+
+
+def check_3_3(logits_gather_bytes, loss_parallel_bytes, llama_gather_gb):
+    """The logits' all-gather that --loss-parallel removes, what it sends instead, and the
+    gather at Llama 3.1 8B's vocabulary, against lab03's plan counted on the fake group."""
+    for tp, batch, vocab in [(2, 4, 64), (4, 2, 128), (8, 2, 64)]:
+        plain, seq_len = lab03_wire_bytes(tp, batch, vocab, loss_parallel=False)
+        parallel, _ = lab03_wire_bytes(tp, batch, vocab, loss_parallel=True)
+        tokens, gather = batch * seq_len, plain["c10d_functional.all_gather_into_tensor"]
+        require(abs(logits_gather_bytes(tokens, vocab, tp) - gather) <= 1,
+                f"logits_gather_bytes({tokens}, {vocab}, {tp}) is not what rank 0 sends for the "
+                "logits' all-gather: how large is the gathered tensor, and what share of it "
+                "does one rank send?")
+        instead = parallel["c10d_functional.all_reduce"] - plain["c10d_functional.all_reduce"]
+        require("c10d_functional.all_gather_into_tensor" not in parallel and instead > 0,
+                "lab03 under --loss-parallel no longer behaves as lesson 03 says")
+        require(abs(loss_parallel_bytes(tokens, tp) - instead) <= 3,
+                f"loss_parallel_bytes({tokens}, {tp}) is not what --loss-parallel adds: how "
+                "many values per token does it reduce, and what does a ring send of them?")
+    # The gather is linear in the logits: scale the last run's (tp 8) to 8192 x 128,256.
+    llama = gather / (tokens * vocab) * 8192 * 128_256 / 1e9
+    require(abs(llama_gather_gb - llama) < 1e-3,
+            "llama_gather_gb is not the logits' all-gather of one 8192-token sequence with a "
+            "vocabulary of 128,256 at tp 8, in GB (1e9 bytes)")
+
+
 # ------------------------------------------------------------------ lesson 04: pipeline
 def check_4_1(pp, microbatches, predicted_bubble, predicted_in_flight, metrics_path):
     """The 1F1B bubble and activations in flight of run 4.1, predicted before reading it."""
@@ -262,6 +430,46 @@ def check_4_2(looped, v_shape):
         for rank in range(4):
             require(lab04_pipeline.stage_ids_for_rank(rank, 4, cfg) == answer[rank],
                     f"{label}[{rank}] is not the stages {name} runs on rank {rank}")
+
+
+def schedule_in_flight(schedule, pp, microbatches):
+    """Per rank, the most microbatches whose activations it holds under torch's own schedule:
+    the action order the schedule class builds (pipeline_order; on the fake process group, as
+    rank 0 of pp), read as lab04's timeline reads a run (labkit.timeline)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from labkit.pipeline import schedule_class
+    from labkit.timeline import microbatches_in_flight
+
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    dist.init_process_group("fake", rank=0, world_size=pp, store=FakeStore())
+    try:
+        stage = PipelineStage(torch.nn.Linear(2, 2), 0, pp, torch.device("cpu"))
+        order = schedule_class(schedule)(stage, microbatches).pipeline_order
+    finally:
+        dist.destroy_process_group()
+    # One slot per action: (kind, stage, microbatch, start, end), as the timeline records them.
+    return [microbatches_in_flight([(kinds.get(a.computation_type.name, "-"), a.stage_index,
+                                     a.microbatch_index, slot, slot)
+                                    for slot, a in enumerate(order[rank]) if a is not None])
+            for rank in range(pp)]
+
+
+def check_4_3(in_flight, gpipe_over_1f1b):
+    """in_flight(schedule, pp, microbatches) against torch's GPipe and 1F1B, and the ratio."""
+    for schedule, pp, microbatches in [("GPipe", 2, 8), ("GPipe", 4, 8), ("GPipe", 4, 2),
+                                       ("1F1B", 2, 8), ("1F1B", 4, 8), ("1F1B", 4, 4),
+                                       ("1F1B", 3, 5), ("1F1B", 8, 16)]:
+        require(in_flight(schedule, pp, microbatches)
+                == schedule_in_flight(schedule, pp, microbatches),
+                f"in_flight({schedule!r}, {pp}, {microbatches}) is not what {schedule}'s ranks "
+                "hold: when does each rank run its first backward?")
+    ratio = schedule_in_flight("GPipe", 4, 32)[0] / schedule_in_flight("1F1B", 4, 32)[0]
+    require(abs(gpipe_over_1f1b - ratio) < 1e-9,
+            "gpipe_over_1f1b is not rank 0's GPipe count over its 1F1B count at pp 4, m 32")
 
 
 # ------------------------------------------------------------------ lesson 05: 3-D
@@ -436,3 +644,50 @@ def check_8_2(min_capacity_factor):
                 "the layer still drops tokens at that capacity factor")
         require(mw.moe_reference(x, params, factor * 0.97)[1]["dropped"] > 0,
                 "a capacity factor 3% smaller drops nothing either: it is not the smallest")
+
+
+def moe_dispatch_splits(rank, world_size, tokens_per_rank, skew):
+    """One rank of lesson 08's expert-parallel layer (spawn.run_workers): its routing, and the
+    split sizes moe_expert_parallel passes to its dispatch, recorded on the way."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    import moe_workers
+
+    calls, original = [], funcol.all_to_all_single
+
+    def recording(tensor, output_split_sizes, input_split_sizes, group):
+        calls.append({"input": list(input_split_sizes), "output": list(output_split_sizes)})
+        return original(tensor, output_split_sizes, input_split_sizes, group)
+
+    x_all, _ = moe_workers.make_tokens(tokens_per_rank * world_size, skew=skew)
+    x = x_all[rank * tokens_per_rank:(rank + 1) * tokens_per_rank]
+    params = moe_workers.local_experts(moe_workers.make_params(), rank, world_size)
+    funcol.all_to_all_single = recording
+    try:
+        with torch.no_grad():
+            experts, _, _ = moe_workers.route(x, params["router"])
+            moe_workers.moe_expert_parallel(x, params, capacity_factor=100.0)
+    finally:
+        funcol.all_to_all_single = original
+    return {"expert_ids": experts.flatten().tolist(), "dispatch": calls[0]}
+
+
+def check_8_3(dispatch_splits):
+    """dispatch_splits(expert_ids, rank, world_size, num_experts) against the splits every rank
+    of lesson 08's layer passed to its dispatch, on 2 and 4 gloo processes (spawn: call it under
+    `if __name__ == "__main__":`)."""
+    import moe_workers
+    from spawn import run_workers
+
+    for world_size, skew in ((2, 0.0), (4, 1.0)):
+        ranks = run_workers(moe_dispatch_splits, world_size, 24, skew, timeout_s=60)
+        expert_ids = [r["expert_ids"] for r in ranks]
+        for rank, r in enumerate(ranks):
+            sizes = dispatch_splits(expert_ids, rank, world_size, moe_workers.NUM_EXPERTS)
+            require(len(sizes) == 2, "want (input_split_sizes, output_split_sizes)")
+            for mine, key in zip(sizes, ("input", "output")):
+                require(list(mine) == r["dispatch"][key],
+                        f"dispatch_splits(expert_ids, {rank}, {world_size}, "
+                        f"{moe_workers.NUM_EXPERTS}): the {key}_split_sizes differ from what "
+                        f"rank {rank} passed to its dispatch: who sends those rows, to whom?")

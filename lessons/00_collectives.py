@@ -601,18 +601,18 @@ assert seconds_4gb > b * grad_bytes > 0
 #
 # ## Exercises
 #
-# 1. Set `WORLD_SIZE = 3` in the "Every collective" cell. Which pictures change shape, and
-#    why do `reduce_scatter` and `all_to_all` need n pieces per rank?
-# 2. Run `run_workers(cw.check_ring, 3, 1001)` (the `numel` argument): the chunks are now
-#    uneven. How many bytes does each rank send, and where does 2(n-1)/n * S stop being exact?
-# 3. Copy `exchange` into your own module with a blocking `dist.send` in place of `isend`,
-#    and run the ring with `run_workers(..., timeout_s=20)` at `numel` 1000 and 10 000 000.
-#    Does it finish? A timeout raises instead of hanging; whether a blocking send completes
-#    before its receiver is ready is up to the backend, so never rely on it.
-# 4. Change `n = 2` to `n = 3` in the timing cell (`time_all_reduce` with 3 processes). On a
-#    machine with fewer cores than processes, what happens to the latency term?
-# 5. In `tp_pattern`, count the bytes the all-reduce moves per MLP for a batch of B tokens of
-#    width d, and compare with DDP's gradient all-reduce for the same layer.
+# Each exercise below is checked: it has a self-check (a Python block your answer must pass)
+# and a worked answer, collapsed, in [the exercise book](../docs/onboarding-exercises.md).
+#
+# 1. **Bytes sent by a ring all-reduce**: the exact bytes each rank of `ring_all_reduce` sends
+#    when n does not divide the tensor
+#    ([onboarding exercise 0.1](../docs/onboarding-exercises.md#exercise-01-bytes-sent-by-a-ring-all-reduce)).
+# 2. **Algorithm and bus bandwidth**: one all-reduce's seconds and bandwidths on 2 and 8 ranks,
+#    from `comm_bench`'s bus bandwidth
+#    ([onboarding exercise 0.2](../docs/onboarding-exercises.md#exercise-02-algorithm-and-bus-bandwidth)).
+# 3. **What tensor parallel sends, and what DDP sends**: the bytes of the all-reduce in
+#    `tp_pattern` and in `ddp_pattern`, and the batch at which they meet
+#    ([onboarding exercise 0.3](../docs/onboarding-exercises.md#exercise-03-what-tensor-parallel-sends-and-what-ddp-sends)).
 #
 # ## If it breaks
 #

@@ -296,8 +296,7 @@ assert gap < 1e-5 and ddp2["final_loss"] < 1.0
 # big batch of 16 would sum the same mean in another order, about 1e-8 apart. At AdamW's first
 # step such rounding can move a weight by a full step, which is why the labs warm the learning
 # rate up: without warmup, 3 ranks miss 1e-5 (1.4e-5, `tests/test_odd_world_sizes.py`).
-# [Lesson 03 measures why](03_tp_fsdp.ipynb#why-fp32-parity-needs-warmup-adamws-first-step);
-# exercise 3 below lets you see it here.
+# [Lesson 03 measures why](03_tp_fsdp.ipynb#why-fp32-parity-needs-warmup-adamws-first-step).
 #
 # With 4 processes and gradient accumulation (2 micro-steps per optimizer step, `no_sync` on
 # the first) the result is the same. The lab's default global batch is 8 sequences per rank
@@ -467,23 +466,18 @@ else:
 #   `python exercises/grade.py ddp`: it checks your code against one process, check by check
 #   ([the exercises](../exercises/README.md)).
 #
-# 1. **`--bucket-cap-mb`**: predict the number of all-reduces per backward for a cap of 0.1 MiB
-#    with the rule above, then check it with `ddp_workers.count_buckets`.
-#    Self-check: `assert per_backward <= math.ceil(558_336 / (0.1 * 2**20))`.
-# 2. **`set_epoch`**: comment out `sampler.set_epoch(epoch)` in a copy of the lab and show that
-#    epoch 2 sees the same order as epoch 1 (hint: print the first indices of `list(sampler)`).
-# 3. **The reference**: change `train_reference` to use one big batch per step (grad_accum 1 on
-#    the concatenated micro-batches) and measure the parity at 4 ranks; then switch the optimizer
-#    to SGD and measure again. Explain the difference.
-# 4. **Resume**: run with `--checkpoint-dir ckpt --stop-at-step 15`, then again without
-#    `--stop-at-step`; compare the final checkpoint with an uninterrupted run (`torch.equal`).
+# Each exercise below is checked: it has a self-check (a Python block your answer must pass)
+# and a worked answer, collapsed, in [the exercise book](../docs/onboarding-exercises.md).
 #
-# <details><summary>Worked answer to exercise 1</summary>
-#
-# 0.1 MiB = 104,857.6 bytes; 558,336 / 104,857.6 = 5.3, so at most 6 buckets, and at least
-# floor(558,336 / (104,857.6 + 65,536)) = 3: the measured count must land in 3..6, and
-# `count_buckets` shows where.
-# </details>
+# 1. **Predict DDP's buckets**: the bucket sizes DDP all-reduces for a `--bucket-cap-mb`,
+#    checked against DDP's own
+#    ([onboarding exercise 1.1](../docs/onboarding-exercises.md#exercise-11-predict-ddps-buckets)).
+# 2. **Which samples each rank reads**: what `DistributedSampler` gives each rank after
+#    `set_epoch`, and whether a rank runs out first
+#    ([onboarding exercise 1.2](../docs/onboarding-exercises.md#exercise-12-which-samples-each-rank-reads)).
+# 3. **Resume mid-epoch**: the first micro-batch a rank reads when lab01 resumes from a
+#    checkpoint
+#    ([onboarding exercise 1.3](../docs/onboarding-exercises.md#exercise-13-resume-mid-epoch)).
 #
 # ## If it breaks
 #

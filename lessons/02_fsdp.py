@@ -31,7 +31,6 @@
 import inspect
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,7 +46,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 import fsdp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
 import lab02_fsdp as lab  # noqa: E402  (the lab is importable: nothing runs at import)
 import memory_estimator as est  # noqa: E402
-from spawn import run_workers  # noqa: E402
+from spawn import run_script, run_workers  # noqa: E402
 
 # %% [markdown]
 # ## Why
@@ -67,59 +66,9 @@ assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 7B does not fit an 80 GB GPU unde
 # A 7B model needs 112 GB per rank under DDP: it does not fit an 80 GB GPU before a single
 # activation is stored. Sharded over 8 ranks (ZeRO-3, which FSDP implements) it needs 14 GB.
 #
-# The 70B model used below: 70B parameters, AdamW, 64 ranks. The total is 16 B x 70e9 =
-# 1120 GB; sharded, 1120 / 64 = **17.5 GB** per rank (decimal; 16.3 GiB).
-#
-# <details><summary>The "17.6 GB" you may have seen</summary>
-#
-# A widely copied worked example gives 17.6 GB per rank for the same model. It comes from
-# adding per-item figures that were rounded first; the exact sum is 17.5 GB.
-# </details>
-
-# %%
-e70 = est.estimate_per_rank(70e9, 64, "zero3")
-print(f"70B, AdamW, 64 ranks: params {e70.params_bytes / 1e9:.3f} GB + grads "
-      f"{e70.grads_bytes / 1e9:.3f} GB + optimizer {e70.optimizer_bytes / 1e9:.2f} GB "
-      f"= {e70.total_bytes / 1e9:.2f} GB per rank ({e70.total_bytes / 2**30:.2f} GiB)")
-assert est.estimate_per_rank(70e9, 64, "ddp").total_bytes == 1120e9
-assert e70.total_bytes == 17.5e9
-
-# %% [markdown]
-# That figure is a floor, not a peak. The estimator says what it leaves out:
-
-# %%
-for item in est.LEFT_OUT:
-    print("-", item)
-
-# %% [markdown]
-# The biggest by far is the first: **activations**. FSDP shards the state, not the work, so
-# every rank still keeps its own micro-batch's activations for backward. Lesson 03 counts them
-# with Korthikanti et al.'s formula (arXiv:2205.05198, Table 2): per layer s b h (34 + 5 a s / h)
-# bytes with 16-bit activations and no recomputation. For Llama-2-70B (80 layers, h = 8192,
-# a = 64) at sequence 4096 and micro-batch 1:
-
-# %%
-s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
-activations_70b = num_layers * s * b * h * (34 + 5 * a * s / h)
-print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
-      f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
-assert 480 < activations_70b / 2**30 < 490  # ~485 GiB: about 30x the state the table counts
-assert activations_70b > 25 * e70.total_bytes
-
-# %% [markdown]
-# That is why 70B training also needs activation checkpointing (recompute instead of store),
-# tensor or sequence parallelism (lesson 03) or pipeline stages (lesson 04).
-#
-# The next term is the *transient unsharded unit*. A *unit* is the group of parameters FSDP
-# gathers together, usually one transformer block, and a unit must be whole while it computes.
-# One Llama-2-70B block (dim 8192, MLP hidden 28672, 8 KV heads of 128) holds about 0.86B
-# parameters, so 1.6 GiB in bf16, and about twice that while the next block is prefetched:
-
-# %%
-dim, hidden, kv_dim = 8192, 28672, 8 * 128
-block_params = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * hidden + 2 * dim
-print(f"one block: {block_params / 1e9:.3f}B params = {2 * block_params / 2**30:.2f} GiB in bf16")
-assert 0.85e9 < block_params < 0.86e9 and 1.55 < 2 * block_params / 2**30 < 1.65
+# That is the whole idea. Below, FSDP is built by hand, then with `fully_shard`, and measured;
+# then the lesson comes back to [what sharding leaves](#what-sharding-leaves-activations-and-the-gathered-unit):
+# activations and the gathered unit.
 
 # %% [markdown]
 # ## From scratch: shard, all-gather, reduce-scatter
@@ -234,7 +183,7 @@ assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
 # <details><summary>Where the streams are in torch's source</summary>
 #
 # `all_gather_stream` and `reduce_scatter_stream` in
-# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` (torch 2.13). GPU only, not
+# `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` (torch 2.13). GPU only, not
 # measured here.
 # </details>
 #
@@ -263,7 +212,8 @@ assert abs((gathered + scattered) / ddp_bytes - (1.5 - R / (2 * P))) < 1e-9
 #
 # The lab builds the model on the **meta device** (shapes, no memory), shards it, and only
 # then allocates: each rank allocates its shards and nothing else. Each transformer block is
-# one unit (one all-gather, one reduce-scatter); the root call groups the rest:
+# one unit (an all-gather before its forward, another before its backward, and one
+# reduce-scatter, as the trace above showed); the root call groups the rest:
 
 # %%
 print(inspect.getsource(lab.apply_fsdp))
@@ -275,7 +225,8 @@ print(inspect.getsource(lab.build_fsdp_model))
 # `fully_shard` takes a `mesh`: a `DeviceMesh`, the ranks laid out in a grid with one process
 # group per axis (lesson 00's sub-groups, made for you). A 1-D mesh of 4 ranks is one group of
 # all 4, and FSDP shards over it. A 2 x 2 mesh with axes `("dp_replicate", "dp_shard")` has
-# rows and columns: FSDP shards within a row and replicates across rows (HSDP, below); lesson
+# rows and columns: FSDP shards within a row and replicates across rows (HSDP, hybrid sharded data
+# parallel, below); lesson
 # 03 puts tensor parallelism on the second axis instead. Rank r sits at row r // 2,
 # column r % 2:
 
@@ -400,6 +351,60 @@ print("HSDP layout of layers.0.attention.wq.weight:", ws4[0]["hsdp"]["layout"])
 # parameters (embeddings, final norm, output: `fully_shard` keeps the root gathered because
 # backward starts with it) stay gathered after forward.
 #
+# ### What sharding leaves: activations and the gathered unit
+#
+# Sharding divides the state by the number of ranks. Two things it does not divide decide
+# whether a large model fits.
+#
+# Take a 70B model, AdamW, 64 ranks. The total is 16 B x 70e9 = 1120 GB; sharded,
+# 1120 / 64 = **17.5 GB** per rank (decimal; 16.3 GiB).
+#
+# <details><summary>The "17.6 GB" you may have seen</summary>
+#
+# A widely copied worked example gives 17.6 GB per rank for the same model. It comes from
+# adding per-item figures that were rounded first; the exact sum is 17.5 GB.
+# </details>
+
+# %%
+e70 = est.estimate_per_rank(70e9, 64, "zero3")
+print(f"70B, AdamW, 64 ranks: params {e70.params_bytes / 1e9:.3f} GB + grads "
+      f"{e70.grads_bytes / 1e9:.3f} GB + optimizer {e70.optimizer_bytes / 1e9:.2f} GB "
+      f"= {e70.total_bytes / 1e9:.2f} GB per rank ({e70.total_bytes / 2**30:.2f} GiB)")
+assert est.estimate_per_rank(70e9, 64, "ddp").total_bytes == 1120e9
+assert e70.total_bytes == 17.5e9
+
+# %% [markdown]
+# That figure is a floor, not a peak: the estimator's table at the top of the lesson listed
+# what it leaves out. The biggest by far is the first: **activations**. FSDP shards the state, not the work, so
+# every rank still keeps its own micro-batch's activations for backward. Lesson 03 counts them
+# with Korthikanti et al.'s formula (arXiv:2205.05198, Table 2): per layer s b h (34 + 5 a s / h)
+# bytes with 16-bit activations and no recomputation. For Llama-2-70B (80 layers, h = 8192,
+# a = 64) at sequence 4096 and micro-batch 1:
+
+# %%
+s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
+activations_70b = num_layers * s * b * h * (34 + 5 * a * s / h)
+print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
+      f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
+assert 480 < activations_70b / 2**30 < 490  # ~485 GiB: about 30x the state the table counts
+assert activations_70b > 25 * e70.total_bytes
+
+# %% [markdown]
+# That is why 70B training also needs activation checkpointing (recompute instead of store),
+# tensor or sequence parallelism (lesson 03) or pipeline stages (lesson 04).
+#
+# The next term is the *transient unsharded unit*. A *unit* is the group of parameters FSDP
+# gathers together, usually one transformer block, and a unit must be whole while it computes.
+# One Llama-2-70B block (dim 8192, MLP hidden 28672, 8 KV heads of 128) holds about 0.86B
+# parameters, so 1.6 GiB in bf16, and about twice that while the next block is prefetched:
+
+# %%
+dim, hidden, kv_dim = 8192, 28672, 8 * 128
+block_params = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * hidden + 2 * dim
+print(f"one block: {block_params / 1e9:.3f}B params = {2 * block_params / 2**30:.2f} GiB in bf16")
+assert 0.85e9 < block_params < 0.86e9 and 1.55 < 2 * block_params / 2**30 < 1.65
+
+# %% [markdown]
 # ## Run the lab
 #
 # The lab trains with FSDP on 4 processes, checks every parameter against a single-process
@@ -407,12 +412,10 @@ print("HSDP layout of layers.0.attention.wq.weight:", ws4[0]["hsdp"]["layout"])
 
 # %%
 out_dir = Path(tempfile.mkdtemp())
-cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-       str(ROOT / "labs" / "lab02_fsdp.py"), "--steps", "20", "--check-parity",
-       "--metrics-out", str(out_dir / "fsdp4.json")]
-proc = subprocess.run(cmd, check=True, timeout=300, capture_output=True, text=True,
-                      env={**os.environ, "OMP_NUM_THREADS": "1"})
-print(proc.stdout)
+# torchrun --standalone --nproc-per-node 4 labs/lab02_fsdp.py --steps 20 --check-parity \
+#     --metrics-out OUT/fsdp4.json
+print(run_script(ROOT / "labs" / "lab02_fsdp.py", 4, ["--steps", 20, "--check-parity",
+                 "--metrics-out", out_dir / "fsdp4.json"], timeout_s=300))
 run4 = json.loads((out_dir / "fsdp4.json").read_text())
 assert run4["parity_max_abs_diff"] <= 1e-5
 print("layers.0.attention.wq.weight:", run4["layout"]["layers.0.attention.wq.weight"])
@@ -551,12 +554,10 @@ print("\n".join(difflib.unified_diff(fsdp1_path.read_text().splitlines(),
 
 # %%
 port_dir = Path(tempfile.mkdtemp(prefix="lesson02-port-"))
-port_env = {**os.environ, "OMP_NUM_THREADS": "1"}
 for nproc, dtype in ((2, "float32"), (1, "float32"), (2, "bfloat16")):
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", str(nproc), str(fsdp2_path),
-                    str(port_dir / f"{dtype}-{nproc}.pt"), "--param-dtype", dtype],
-                   check=True, timeout=180, env=port_env, capture_output=True)
+    # torchrun --standalone --nproc-per-node NPROC lessons/fsdp2_train.py OUT --param-dtype D
+    run_script(fsdp2_path, nproc, [port_dir / f"{dtype}-{nproc}.pt", "--param-dtype", dtype],
+               timeout_s=180)
 two, one = (torch.load(port_dir / f"float32-{n}.pt", weights_only=True) for n in (2, 1))
 port_parity = max((two[k] - one[k]).abs().max().item() for k in one)
 print(f"FSDP2 port, fp32, 2 ranks against 1: max |param diff| {port_parity:.1e}; "
@@ -646,16 +647,21 @@ assert (major, minor) >= (2, 6)
 #   `python exercises/grade.py fsdp`: it checks your code against one process, check by check
 #   ([the exercises](../exercises/README.md)).
 #
-# 1. Run the lab with `--hsdp 2` and then `--hsdp 4` on 4 processes: what do `layout` and
-#    `state_bytes_per_rank` in the metrics say, and why does `--hsdp 4` equal DDP's memory?
-# 2. Set `--vocab-size 66` with 4 processes: the embedding no longer splits evenly. Compare
-#    `state_bytes_per_rank` with `est.estimate_per_rank(None, 4, "zero3", shapes=...)`.
-# 3. `--reshard-after-forward false` vs `true` with `--steps 40`: compare `tokens_per_s` and
-#    `unsharded_param_bytes_after_forward`. On GPUs compare `peak_mem_bytes_per_rank` too.
-# 4. Stop a 4-process run with `--checkpoint-dir ckpt --stop-at-step 20`, resume it with 2
-#    processes and `--resume`, and compare the losses with an uninterrupted run.
-# 5. Use the estimator for your own model: `python labs/memory_estimator.py --params 8e9
-#    --world-size 8 --param-bytes 2 --grad-bytes 2 --master-weights`.
+# Each exercise below is checked: it has a self-check (a Python block your answer must pass)
+# and a worked answer, collapsed, in [the exercise book](../docs/onboarding-exercises.md).
+#
+# 1. **The 70B memory table**: a 70B model's state per rank under FSDP, and an 8B model's in
+#    mixed precision
+#    ([onboarding exercise 2.1](../docs/onboarding-exercises.md#exercise-21-the-70b-memory-table)).
+# 2. **Every byte FSDP holds**: the padded shards lab02 measures on 2 ranks when the vocabulary
+#    does not split evenly
+#    ([onboarding exercise 2.2](../docs/onboarding-exercises.md#exercise-22-every-byte-fsdp-holds)).
+# 3. **Read a sharded checkpoint without torchrun**: which piece of every tensor each rank
+#    wrote into the DCP checkpoint
+#    ([onboarding exercise 2.3](../docs/onboarding-exercises.md#exercise-23-read-a-sharded-checkpoint-without-torchrun)).
+# 4. **HSDP on 512 GPUs**: the state per rank and the traffic across replicas under `--hsdp`,
+#    and the smallest shard group that holds a 70B model
+#    ([onboarding exercise 2.4](../docs/onboarding-exercises.md#exercise-24-hsdp-on-512-gpus)).
 #
 # ## If it breaks
 #

@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 
 import lab03_tp_fsdp as lab  # noqa: E402  (importable: nothing runs at import)
 import tp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
+from labkit.loop import learning_rate  # noqa: E402  (the labs' warmup schedule)
 from labkit.probes import CommCounter  # noqa: E402
 from spawn import launch_lab, run_workers  # noqa: E402
 
@@ -112,11 +113,11 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 # %% [markdown]
 # Tens of GB per micro-batch, on the critical path of every layer: under a tenth of a second
 # inside a node, most of a second across nodes, for every micro-batch. FSDP's traffic is not
-# smaller: with t = 8, each rank still all-gathers its 1/8 of the bf16 weights (70e9 x 2 B / 8,
-# about 17.5 GB) in the forward and again in the backward of *every* micro-batch (gradient
-# accumulation does not save those), and reduce-scatters the gradients once per step. But
-# nothing inside a layer waits for it: the next block's all-gather runs while this block
-# computes. TP's all-reduces sit between two matmuls of the same layer, so nothing hides them.
+# smaller: with t = 8, each rank still all-gathers its TP slice, 1/8 of the bf16 weights
+# (70e9 x 2 B / 8, about 17.5 GB), in the forward and again in the backward of *every*
+# micro-batch (gradient accumulation does not save those), and reduce-scatters the gradients
+# once per step. But nothing inside a layer waits for it: the next block's all-gather can run
+# while this block computes (on a GPU, on a stream of its own; lesson 06 traces it). TP's all-reduces sit between two matmuls of the same layer, so nothing hides them.
 # Hence the 2D layout: **TP inside a node, on the fast links; FSDP across nodes.**
 #
 # ## From scratch: column-parallel, then row-parallel
@@ -220,11 +221,18 @@ for key, style in lab.root_plan(cfg).items():
 #   `Attention` infers its head count from the projection width (`view(bsz, seq, -1,
 #   head_dim)`), so no module attribute has to be adjusted; `inspect_tp_fsdp` asserts the local
 #   width.
-# - **`PrepareModuleInput(..., use_local_output=False)`** on `attention` and `feed_forward`: the
-#   three projections share one DTensor input, so backward sums their input gradients and
-#   all-reduces **once** (Megatron's `f`), not once per projection.
+# - **`PrepareModuleInput(..., use_local_output=False)`** on `attention` and `feed_forward`:
+#   `PrepareModuleInput` turns the module's input into a DTensor laid out as the plan says, and
+#   `use_local_output=False` passes that DTensor on instead of its local tensor. So the three
+#   projections share one DTensor input, backward sums their input gradients as a DTensor, and
+#   the all-reduce (Megatron's `f`) runs **once**, not once per projection.
 # - **Sequence parallel.** Between blocks the activations are `Shard(1)` (sequence); the norms
 #   run on local tokens; entering attention/MLP all-gathers, leaving reduce-scatters.
+# - **Loss parallel.** Without it the output projection gathers the full logits (batch x seq x
+#   vocab) on every TP rank before the loss. With `--loss-parallel` it leaves them sharded by
+#   vocabulary (`Shard(-1)`), and `loss_parallel()` computes the cross-entropy on the shards:
+#   the ranks all-reduce a few numbers per token (the max, the sum of exponentials, the
+#   target's logit), never the logits.
 # - **Order.** TP first, then `fully_shard` per block and the root on the `"dp"` sub-mesh.
 #
 # On a (2, 2) mesh each weight ends up with 2D placements. The sharded parameter (what the
@@ -284,28 +292,28 @@ assert "Mesh should not be bigger than default world size" in mistakes["mesh_too
 #
 # <details><summary>How these runs are launched</summary>
 #
-# The first run starts real torchrun, as you would; the others fork their ranks from a server
-# that has already imported torch (`launch_lab` in `lessons/spawn.py`): the same per-rank
-# environment, and about 10 s less start-up each on a 2-core laptop.
+# The runs fork their ranks from a server that has already imported torch (`launch_lab` in
+# `lessons/spawn.py`), with the environment torchrun gives each rank: the same run as the
+# `torchrun` command in `run_lab`'s docstring, and about 10 s less start-up each on a 2-core
+# laptop.
 # </details>
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson03-"))
 
 
-def run_lab(nproc, *args, torchrun=False):
-    """torchrun --standalone --nproc-per-node nproc labs/lab03_tp_fsdp.py ARGS: real torchrun
-    with torchrun=True, else ranks forked as torchrun would start them (spawn.launch_lab)."""
+def run_lab(nproc, *args):
+    """torchrun --standalone --nproc-per-node nproc labs/lab03_tp_fsdp.py ARGS, with the ranks
+    forked as torchrun would start them (spawn.launch_lab)."""
     out = workdir / f"run-{len(list(workdir.iterdir()))}.json"
-    return launch_lab(ROOT / "labs" / "lab03_tp_fsdp.py", nproc, args, out, torchrun=torchrun)
+    return launch_lab(ROOT / "labs" / "lab03_tp_fsdp.py", nproc, args, out)
 
 
 runs = {}
 for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
     dp = 4 // tp
     runs[tp, sp] = run_lab(4, "--tp", tp, "--batch-size", 4 * dp, "--steps", 2, "--check-parity",
-                           "--count-comms", *(["--sequence-parallel"] if sp else []),
-                           torchrun=(tp, sp) == (1, False))  # the first, as you would run it
+                           "--count-comms", *(["--sequence-parallel"] if sp else []))
 assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
 
 # %% [markdown]
@@ -338,9 +346,40 @@ assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # far below eps: proport
 # %% [markdown]
 # So an entry of 1e-7, which can be rounding noise, moves its weight by nearly a full step,
 # and another summation order can flip its sign. The labs warm the learning rate up from 0
-# (`--warmup-steps 5`, as most transformer recipes do): step 1 only fills AdamW's moment
-# estimates, and from step 2 one noisy value no longer decides. Three runs of 3 steps on mesh
-# (1, 2), with and without warmup, in fp32 and float64:
+# (`--warmup-steps 5`, as most transformer recipes do, in `labkit.loop.learning_rate`): step 1
+# runs at lr 0 and only fills AdamW's moment estimates. Take a weight whose step-1 gradient is
+# rounding noise, +1e-7 in one summation order and -1e-7 in another, and whose step-2 gradient
+# is real:
+
+# %%
+def adamw_steps(grads, lrs):
+    """One weight after AdamW steps with these gradients and learning rates."""
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.AdamW([weight], lr=lrs[0], weight_decay=0.0)
+    for grad, lr in zip(grads, lrs):
+        optimizer.param_groups[0]["lr"] = lr
+        weight.grad = torch.tensor([grad])
+        optimizer.step()
+    return weight.item()
+
+
+default = lab.parse_config([])
+schedules = {"no warmup": [default.lr] * 2,
+             "warmup": [learning_rate(default, step) for step in (1, 2)]}
+apart = {}
+for name, lrs in schedules.items():
+    one_order, other_order = (adamw_steps((noise, 1e-2), lrs) for noise in (1e-7, -1e-7))
+    apart[name] = abs(one_order - other_order)
+    print(f"{name:9s} (lr {lrs[0]:.1e}, then {lrs[1]:.1e}): after 2 steps {one_order:+.3e} "
+          f"and {other_order:+.3e}, {apart[name]:.1e} apart")
+assert apart["no warmup"] > 1.5 * default.lr and apart["warmup"] < 1e-6
+
+# %% [markdown]
+# Without warmup the noise's sign moved the two copies 2 lr apart at step 1, and step 2 barely
+# narrows the gap. With warmup, step 1 moves nothing, and step 2 divides by
+# the RMS of both steps' gradients, which the real one dominates: the copies stay together.
+# Now the lab itself, three runs of 3 steps on mesh (1, 2), with and without warmup, in fp32
+# and float64:
 
 # %%
 no_warmup = ["--tp", 2, "--steps", 3, "--check-parity", "--parity-tol", "1e-2",
@@ -509,11 +548,9 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all 
 #   norms and the residual stream.
 # - Build order: 2D mesh `("dp", "tp")`, `parallelize_module` per block on `mesh["tp"]`, then
 #   `fully_shard` per block and the root on `mesh["dp"]`. Guard plan keys: a typo only warns.
-# - DCP checkpoints are sharded and carry global offsets: the lab's tests resume a (2, 2)
-#   checkpoint on (4, 1) and (1, 2).
 # - TP is exact math but not bitwise. AdamW's first step moves every weight whose gradient is
-#   well above eps by about `lr * sign(grad)`, so warm the learning rate up from 0; then fp32
-#   parity holds to ~1e-7.
+#   well above eps by about `lr * sign(grad)`, so warm the learning rate up from 0: step 1
+#   then moves nothing, and fp32 parity comes back to about 1e-7 (asserted below 1e-6).
 #   `--parity-dtype float64` tells a bug from rounding.
 #
 # ## Exercises
@@ -522,18 +559,17 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all 
 #   `python exercises/grade.py tp`: it checks your code against one process, check by check
 #   ([the exercises](../exercises/README.md)).
 #
-# 1. `--tp`: run `torchrun --nproc-per-node 4 labs/lab03_tp_fsdp.py --tp 4 --count-comms` and
-#    `--tp 1`; compare `comm_wire_bytes_per_step` in the metrics JSON.
-# 2. `--sequence-parallel` with `--seq-len 30 --tp 4`: read the error, then fix `--seq-len`.
-# 3. `--loss-parallel`: compare the `all_gather_into_tensor` bytes with and without it. Which
-#    tensor is no longer gathered?
-# 4. `--num-heads 2 --tp 4`: why does the lab refuse, and what would happen to a head split
-#    across ranks?
-# 5. Rename `"attention.wq"` in `block_plan` to `"attention.q"` in a copy of the lab and run it:
-#    which line stops you, and what would PyTorch alone have done?
-# 6. `--warmup-steps 0 --parity-tol 1e-2 --check-parity`: how does the max parameter difference
-#    change with `--steps`? Which parameters carry it, and how small were their gradients at
-#    step 1? Then try `--warmup-steps 1`: what does step 1 do now?
+# Each exercise below is checked: it has a self-check (a Python block your answer must pass)
+# and a worked answer, collapsed, in [the exercise book](../docs/onboarding-exercises.md).
+#
+# 1. **Lay out a cluster**: the `(dp, tp)` mesh of 64 GPUs at TP 4, and one rank's groups in it
+#    ([onboarding exercise 3.1](../docs/onboarding-exercises.md#exercise-31-lay-out-a-cluster)).
+# 2. **Column-parallel, then row-parallel, by hand**: a TP MLP's partial sums and the one
+#    collective that completes them
+#    ([onboarding exercise 3.2](../docs/onboarding-exercises.md#exercise-32-column-parallel-then-row-parallel-by-hand)).
+# 3. **What loss parallel saves**: the bytes of the logits' all-gather, and what
+#    `--loss-parallel` sends instead
+#    ([onboarding exercise 3.3](../docs/onboarding-exercises.md#exercise-33-what-loss-parallel-saves)).
 #
 # ## If it breaks
 #

@@ -410,14 +410,18 @@ plt.show()
 #   `python exercises/grade.py pipeline`: it checks your code against one process, check by check
 #   ([the exercises](../exercises/README.md)).
 #
-# 1. **`--microbatches`**: rerun 1F1B with 8 and 16 microbatches (`--batch-size 32`); predict the
-#    formula's bubble first. Self-check: `assert bubble(2, 16) < bubble(2, 8) < bubble(2, 4)`.
-# 2. **`--stages-per-rank`**: run Interleaved1F1B with 1, 2 and 4 stages per rank
-#    (`--num-layers 8`) and compare the replayed bubble with `bubble(2, 4, v)`.
-# 3. **`--schedule GPipe` vs `1F1B` at 4 ranks**: `--nproc-per-node 4 --microbatches 8`;
-#    predict the in-flight counts per rank (GPipe: 8 everywhere; 1F1B: 4, 3, 2, 1).
-# 4. **`--dp 2`**: on 4 ranks, compare the saved-activation bytes per rank with the 2-rank run
-#    (each pipeline now sees half the batch).
+# Each exercise below is checked: it has a self-check (a Python block your answer must pass)
+# and a worked answer, collapsed, in [the exercise book](../docs/onboarding-exercises.md).
+#
+# 1. **The bubble, predicted and measured**: 1F1B's bubble and activations in flight, predicted
+#    before lab04 measures them
+#    ([onboarding exercise 4.1](../docs/onboarding-exercises.md#exercise-41-the-bubble-predicted-and-measured)).
+# 2. **Which stages live on which rank**: the stages `Interleaved1F1B` and `ZBVZeroBubble` put
+#    on each of 4 ranks
+#    ([onboarding exercise 4.2](../docs/onboarding-exercises.md#exercise-42-which-stages-live-on-which-rank)).
+# 3. **The activations GPipe and 1F1B hold**: the microbatches each rank holds at once under
+#    both schedules, for any pp and m
+#    ([onboarding exercise 4.3](../docs/onboarding-exercises.md#exercise-43-the-activations-gpipe-and-1f1b-hold)).
 #
 # ## If it breaks
 #

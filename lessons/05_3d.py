@@ -317,26 +317,26 @@ for rank in range(4):  # pp 0 ranks; rank + 4 holds the next stage at the same (
 #
 # <details><summary>How these runs are launched</summary>
 #
-# The first run starts real torchrun, as you would; the three legs fork their ranks from a
-# server that has already imported torch (`launch_lab` in `lessons/spawn.py`), about 20 s
-# less start-up each for 8 ranks on a 2-core laptop.
+# The runs fork their ranks from a server that has already imported torch (`launch_lab` in
+# `lessons/spawn.py`), with the environment torchrun gives each rank: the same run as the
+# `torchrun` command in `run_lab`'s docstring, and about 20 s less start-up each for 8 ranks
+# on a 2-core laptop.
 # </details>
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson05-"))
 
 
-def run_lab(nproc, *args, torchrun=False):
-    """torchrun --standalone --nproc-per-node nproc labs/lab05_3d.py ARGS: real torchrun with
-    torchrun=True, else ranks forked as torchrun would start them (spawn.launch_lab)."""
+def run_lab(nproc, *args):
+    """torchrun --standalone --nproc-per-node nproc labs/lab05_3d.py ARGS, with the ranks
+    forked as torchrun would start them (spawn.launch_lab)."""
     metrics_path = workdir / f"metrics-{len(list(workdir.glob('metrics-*')))}.json"
-    return launch_lab(ROOT / "labs" / "lab05_3d.py", nproc, args, metrics_path,
-                      torchrun=torchrun)
+    return launch_lab(ROOT / "labs" / "lab05_3d.py", nproc, args, metrics_path)
 
 
 ckpt = workdir / "checkpoints"
 common = ["--steps", 12, "--log-every", 1, "--check-parity"]
-straight = run_lab(8, *common, torchrun=True)  # as you would run it; the legs fork their ranks
+straight = run_lab(8, *common)
 legs = [run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 4),
         run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 8,
                 "--pp", 1, "--dp", 2, "--tp", 4),
@@ -409,18 +409,15 @@ plt.show()
 #
 # ## Exercises
 #
-# 1. **Count for another layout.** Rerun the recorder with `["--pp", "4", "--dp", "1", "--tp",
-#    "2"]` (4 stages of 1 block). Predict first: an interior stage sends and receives `2 m`
-#    times, and with dp 1 FSDP issues no collective at all (it skips a group of one rank;
-#    [onboarding exercise 5.1](../docs/onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage) checks this on every rank).
-# 2. **Interleaved.** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
-#    Interleaved1F1B --dp 2 --tp 2 --check-parity`: 4 stages on 2 pp ranks. Which counts in
-#    the formula double?
-# 3. **Plan your cluster.** With `--plan --model 70b --gpu H100-80GB --activation-checkpointing`,
-#    find the smallest `--nproc` (a multiple of 32, with `--pp 4 --tp 8`) at which the plan
-#    fits, then try `--pp 8` (a multiple of 64) and compare the activations line.
-#    Self-check: the dp degree is `nproc / (pp x tp)`, so `nproc / 32` for pp 4 x tp 8 and
-#    `nproc / 64` for pp 8 x tp 8.
+# Each exercise below is checked: it has a self-check (a Python block your answer must pass)
+# and a worked answer, collapsed, in [the exercise book](../docs/onboarding-exercises.md).
+#
+# 1. **Count a step's collectives on every stage**: every collective each rank issues in one
+#    step of 4 stages, checked against a recorded step
+#    ([onboarding exercise 5.1](../docs/onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage)).
+# 2. **The smallest cluster for a 70B run**: the smallest `--nproc` at which lab05's `--plan`
+#    fits 70B on H100s, and the verdict without recompute
+#    ([onboarding exercise 5.2](../docs/onboarding-exercises.md#exercise-52-the-smallest-cluster-for-a-70b-run)).
 #
 # ## If it breaks
 #

@@ -49,15 +49,16 @@
 #
 # <details><summary>How the lesson launches its labs</summary>
 #
-# Most lab runs below start as `torchrun --standalone --nproc-per-node 2` would, with
+# The lab runs below start as `torchrun --standalone --nproc-per-node 2` would, with
 # torchrun's per-rank variables, but fork each rank from a server that has already imported
 # torch (`launch_lab` in `lessons/spawn.py`): a fresh torchrun spends about 10 s of a 2-core
-# machine importing torch in three processes. The bubble runs, and the communication
-# benchmark inside `perf_model.py --check`, start real torchrun, as you would.
+# machine importing torch in three processes. Only the communication benchmark inside
+# `perf_model.py --check` starts real torchrun.
 # </details>
 
 # %%
 import argparse
+import inspect
 import json
 import math
 import os
@@ -86,21 +87,22 @@ workdir = Path(tempfile.mkdtemp(prefix="lesson06-"))
 env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_lab(script, nproc, *args, metrics_path=None, torchrun=False, extra_env=None):
-    """`torchrun --standalone --nproc-per-node nproc labs/script ARGS --metrics-out PATH`.
-    By default the ranks fork from spawn.py's server, which has imported torch once
+def run_lab(script, nproc, *args, metrics_path=None, extra_env=None):
+    """`torchrun --standalone --nproc-per-node nproc labs/script ARGS --metrics-out PATH`,
+    with the ranks forked from spawn.py's server, which has imported torch once
     (spawn.launch_lab): the same environment per rank, about 10 s less start-up per run.
-    torchrun=True starts real torchrun; extra_env adds variables. Returns the lab's metrics."""
+    extra_env adds variables. Returns the lab's metrics."""
     metrics_path = metrics_path or workdir / f"metrics-{len(list(workdir.iterdir()))}.json"
-    return launch_lab(ROOT / "labs" / script, nproc, args, metrics_path, torchrun=torchrun,
-                      env=extra_env)
+    return launch_lab(ROOT / "labs" / script, nproc, args, metrics_path, env=extra_env)
 
 # %% [markdown]
 # ## 1. Compute: how much of the peak a step uses
 #
 # **MFU** (model FLOPs utilisation) is the share of the chip's peak that the model's own
-# arithmetic reaches: `flops_per_token` x tokens per second / peak. It is the first number to
-# read. When it is low, the step is spent on overhead (Python, the dispatcher, launching
+# arithmetic reaches: `flops_per_token` x tokens per second / peak, where `flops_per_token`
+# (in `labs/labkit/model.py`) counts the matmuls of one training token: 6 FLOPs per weight (2 in
+# forward, 4 in backward) plus attention's two matmuls over the sequence. It is the first number
+# to read. When it is low, the step is spent on overhead (Python, the dispatcher, launching
 # kernels and collectives), and no way of splitting the model across ranks takes that away.
 #
 # A CPU core's peak is not on a datasheet, so measure it: one 512 x 512 fp32 matmul, repeated
@@ -201,9 +203,8 @@ print(f"cores: {os.cpu_count()}; a 4-rank run gives each rank {os.cpu_count() / 
 # reported apart.
 
 # %%
-# perf_model's settings at width 1024: sync points at steps 1, 5 and 6, so the first step
-# (with the compile) is a window of its own and the throughput is that of steps 2 to 6. The
-# eager run is saved where the step-time model's `perf_model.py --check --reuse` finds it.
+# The width-1024 settings of section 4's step-time model, which reuses this eager run. The
+# first step, where the compile happens, is timed apart from the throughput.
 WIDE = perf_model.case_args(1024)
 eager = run_lab("lab02_fsdp.py", 2, *WIDE,
               metrics_path=perf_model.case_file(workdir, "lab02_fsdp", 1024))
@@ -236,9 +237,9 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 #
 # A collective costs the step nothing if compute runs while it moves, and its full time if
 # compute waits for it. DDP starts all-reducing a bucket of gradients as soon as backward has
-# filled it, while backward goes on with the earlier layers. FSDP2 gathers the next block's
-# weights while the current block computes. Whether that overlap happens is a question for a
-# trace.
+# filled it, while backward goes on with the earlier layers. FSDP2, on a GPU, runs its
+# all-gathers on a stream of their own beside the compute stream. Whether that overlap happens
+# is a question for a trace.
 #
 # The cell profiles one step on two ranks (the lab model at width 512, 4 blocks): the training
 # thread's ops, and gloo's collectives, which run on gloo's own threads. It asserts the order in
@@ -269,6 +270,7 @@ def overlap_share(events):
     return both / total, total
 
 
+print(inspect.getsource(perf_workers.build))  # the three strategies, fsdp-async included
 STRATEGIES = ("ddp", "fsdp", "fsdp-async")
 per_rank = run_workers(perf_workers.profiled_steps, 2, STRATEGIES, 512, timeout_s=120)
 traces = {strategy: [rank[strategy] for rank in per_rank] for strategy in STRATEGIES}
@@ -405,7 +407,7 @@ assert by_name["c10d::_reduce_scatter_base_"] == 2 * 3 and by_name["aten::mm"] >
 # %%
 HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers", "4",
          "--microbatches", "4", "--batch-size", "16", "--steps", "8", "--log-every", "4"]
-heavy_runs = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name, torchrun=True)
+heavy_runs = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name)
               for name in ("GPipe", "1F1B", "Interleaved1F1B")}
 bubbles = {name: m["bubble"] for name, m in heavy_runs.items()}
 
@@ -487,10 +489,9 @@ for name in ("GPipe", "1F1B"):
 # column). In one run while writing this, rank 1 was 21% slower: the formula for those stages
 # gave 0.242, the step measured 0.238, and the equal-stage formula says 0.200.
 #
-# These runs start real torchrun, the launcher this check was first proven with. Forked ranks
-# measure the same within the noise: GPipe's median step came out +3% to +13% against the
-# formula for its stages with forked ranks, and -2% to +9% with torchrun (2026-12-03, 3 and 4
-# runs).
+# These runs fork their ranks, as the lesson's other runs do. Real torchrun measures the same
+# within the noise: GPipe's median step came out +3% to +13% against the formula for its
+# stages with forked ranks, and -2% to +9% with torchrun (2026-12-03, 3 and 4 runs).
 # </details>
 
 # %% [markdown]
@@ -501,7 +502,8 @@ for name in ("GPipe", "1F1B"):
 #
 # - compute: the step's FLOPs at the measured matmul peak;
 # - the optimizer: clipping and AdamW read and write parameter-sized fp32 tensors 22 times per
-#   step (counted in `perf_model.py`), at the memory bandwidth `comm_bench` measures;
+#   step (3 for clipping: read for the norm, read and write to scale; 19 for AdamW's update,
+#   counted op by op in `perf_model.OPTIMIZER_PASSES`), at the memory bandwidth `comm_bench` measures;
 # - every collective the strategy issues, timed with lesson 00's `t = a + b S` fit (latency
 #   plus bytes over bandwidth) from `labs/comm_bench.py`.
 #
@@ -628,9 +630,11 @@ assert round(published["FSDP"] * flop_per_token / 989e12, 2) == 0.34
 # In the order in which they matter:
 #
 # 1. **Compute efficiency.** MFU is FLOPs per token x tokens per second / the peak. On one CPU
-#    thread it climbs from about 5% at width 32 to 40% or more at width 1024: the labs' debug
-#    model is overhead. A published 8B run on H100s reaches 34%. `torch.compile` fuses the
-#    non-matmul work: little on this CPU, +16% in the published GPU run.
+#    thread it climbs with width (asserted: at width 1024 above 30% of the measured matmul peak
+#    and above 1.5 times the debug model's; the sweep prints this run's figures): the labs'
+#    debug model is mostly overhead. A published 8B run on H100s reaches 34% of the datasheet
+#    peak, a higher bar than a measured one. `torch.compile` fuses the non-matmul work: little
+#    on this CPU, +16% in the published GPU run.
 # 2. **Exposed communication.** DDP's bucket all-reduces overlap backward even on gloo.
 #    FSDP2's prefetch overlaps through CUDA streams, so on a CPU its defaults block; async
 #    all-gathers overlap, but one core per rank has no spare engine to gain from it. For an 8B
@@ -645,13 +649,15 @@ assert round(published["FSDP"] * flop_per_token / 989e12, 2) == 0.34
 #
 # ## Exercises
 #
-# 1. **FLOPs per token, by hand**, and the published run's MFU:
-#    [onboarding exercise 6.1](../docs/onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu).
-# 2. **When FSDP's traffic stops hiding**:
-#    [onboarding exercise 6.2](../docs/onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding).
-# 3. **Your machine.** Run `python labs/perf_model.py --check --dims 256,1024` and read, for
-#    each case, which term of the prediction dominates and how far the measurement sits above
-#    it. Predict first: which of lab01 and lab02 misses by more, and why?
+# Each exercise below is checked: it has a self-check (a Python block your answer must pass)
+# and a worked answer, collapsed, in [the exercise book](../docs/onboarding-exercises.md).
+#
+# 1. **FLOPs per token, and a published run's MFU**: the labs' training FLOPs per token, and
+#    the MFU of torchtitan's Llama 3.1 8B run
+#    ([onboarding exercise 6.1](../docs/onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu)).
+# 2. **When FSDP's traffic stops hiding**: FSDP's seconds of traffic per step, and the MFU
+#    above which overlap can no longer hide them
+#    ([onboarding exercise 6.2](../docs/onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding)).
 #
 # ## If it breaks
 #

@@ -229,8 +229,8 @@ plt.show()
 # (the busiest rank does 1.6 x the mean); zig-zag 2.25 for everyone.
 #
 # The ring counted the blocks it computed and timed them with each thread's CPU clock (the
-# 4 processes share 2 cores here, so wall time would mostly measure waiting for a core); each
-# figure is the least of three runs.
+# 4 processes share 2 cores here, so wall time would mostly measure waiting for a core), in
+# one run each.
 
 # %%
 def predicted_blocks(rank, world_size, layout):
@@ -500,12 +500,14 @@ assert "_scaled_dot_product_flash_attention_for_cpu" in library[0]["error"]
 #   `python exercises/grade.py ring`: it checks your code against one process, check by check
 #   ([the exercises](../exercises/README.md)).
 #
-# 1. At p = 8, how many blocks does each rank compute under the contiguous split, and the
-#    zig-zag one? Check with `block_owner_grid(8, ...)`.
-# 2. Ring attention sends (p-1)/p of the keys and values per layer, forward. How much does
-#    the backward pass send? Read `ring_attention_backward` and count.
-# 3. Why can the backward pass compute one block's gradient without the other blocks? (Hint:
-#    what does the saved log-sum-exp already know?)
+# Each exercise below is checked: it has a self-check (a Python block your answer must pass)
+# and a worked answer, collapsed, in [the exercise book](../docs/onboarding-exercises.md).
+#
+# 1. **The causal work of each rank**: the attention blocks each rank computes under the
+#    contiguous and the zig-zag split
+#    ([onboarding exercise 7.1](../docs/onboarding-exercises.md#exercise-71-the-causal-work-of-each-rank)).
+# 2. **The bytes a ring sends**: what one rank sends in ring attention's forward and backward
+#    ([onboarding exercise 7.2](../docs/onboarding-exercises.md#exercise-72-the-bytes-a-ring-sends)).
 #
 # ## If it breaks
 #

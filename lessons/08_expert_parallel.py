@@ -388,10 +388,18 @@ for p, ranks in ep_runs.items():
 #   `python exercises/grade.py moe`: it checks your code against one process, check by check
 #   ([the exercises](../exercises/README.md)).
 #
-# 1. With p = 8 ranks, 4096 tokens per rank, k = 8, dim 7168 and bf16, how many bytes does
-#    one MoE layer's dispatch send per rank, with a uniform router?
-# 2. Why does expert parallelism need the counts exchanged before the tokens? What would
-#    `all_to_all_single` do without `output_split_sizes`?
+# Each exercise below is checked: it has a self-check (a Python block your answer must pass)
+# and a worked answer, collapsed, in [the exercise book](../docs/onboarding-exercises.md).
+#
+# 1. **The dispatch's bytes**: what one MoE layer's dispatch sends per rank under a uniform
+#    router, at DeepSeek's sizes too
+#    ([onboarding exercise 8.1](../docs/onboarding-exercises.md#exercise-81-the-dispatchs-bytes)).
+# 2. **The capacity that drops nothing**: the smallest capacity factor at which the layer drops
+#    no token
+#    ([onboarding exercise 8.2](../docs/onboarding-exercises.md#exercise-82-the-capacity-that-drops-nothing)).
+# 3. **The splits only the counts can give**: the split sizes of the dispatch's all-to-all, and
+#    which of them needs the counts exchange
+#    ([onboarding exercise 8.3](../docs/onboarding-exercises.md#exercise-83-the-splits-only-the-counts-can-give)).
 #
 # ## If it breaks
 #

@@ -90,13 +90,29 @@ def test_page_parses_into_complete_exercises():
         by_lesson.setdefault(int(ex_id.split(".")[0]), []).append(ex_id)
     lessons = sorted(int(p.name[:2]) for p in (REPO / "lessons").glob("[0-9][0-9]_*.py"))
     assert sorted(by_lesson) == lessons, "every lesson needs exercises, and only lessons"
-    assert all(2 <= len(ids) <= 3 for ids in by_lesson.values()), by_lesson
+    assert all(2 <= len(ids) <= 4 for ids in by_lesson.values()), by_lesson
     text = PLAN.read_text()
     hand_ins = re.findall(r"Hand in\s+exercises?\s+([0-9.,\sand]+)", text)
     handed_in = re.findall(r"\d+\.\d+", " ".join(hand_ins))
     assert sorted(handed_in) == sorted(EXERCISES), "the path hands in every exercise, once"
     launches = sum(s.count("torchrun ") for e in EXERCISES.values() for s in e["run"])
     assert launches <= 2, "keep the test to at most 2 torchrun launches"
+
+
+def test_every_lesson_lists_exactly_its_own_exercises():
+    """The book's exercises are the lessons' own: the Exercises section of lesson N links every
+    exercise N.M of the book, by its heading's anchor, and no other."""
+    headings = re.findall(r"^### (Exercise (\d+\.\d+): .+)$", BOOK.read_text(), re.M)
+    exercise_of = {week.anchor_of(title): ex_id for title, ex_id in headings}
+    for lesson in sorted((REPO / "lessons").glob("[0-9][0-9]_*.py")):
+        text = lesson.read_text()
+        start = text.index("# ## Exercises\n")
+        end = text.find("\n# ## ", start + 1)
+        section = text[start:end if end > 0 else len(text)]
+        anchors = re.findall(r"\]\(\.\./docs/onboarding-exercises\.md#([\w-]+)\)", section)
+        linked = sorted(exercise_of.get(anchor, f"#{anchor}") for anchor in anchors)
+        own = sorted(e for e in EXERCISES if int(e.split(".")[0]) == int(lesson.name[:2]))
+        assert linked == own, f"{lesson.name} links {linked}, the book has {own} for it"
 
 
 def test_the_three_pages_link_each_other_and_every_anchor_exists():

@@ -16,10 +16,10 @@
 # %% [markdown]
 # # 00 · 进程、rank 与集合通信
 #
-# 后面的每一课（DDP、FSDP、张量并行和流水线并行）本质上都是对少数几种通信调用的不同编排。本课赶在任何封装把它们藏起来之前，先手动把它们调用一遍。
+# 后面各课（DDP、FSDP、张量并行和流水线并行）讲的，说到底都是怎样编排少数几种通信调用。本课趁这些调用还没被任何封装藏起来，先亲手把它们调一遍。
 #
 # 学完本课，你将能够：
-# - 说清 `torchrun` 启动了什么：进程，`RANK` / `LOCAL_RANK` / `WORLD_SIZE` / `MASTER_ADDR` / `MASTER_PORT` 这几个变量，rendezvous（汇合点）store，以及后端；
+# - 说清 `torchrun` 启动了什么：进程，`RANK` / `LOCAL_RANK` / `WORLD_SIZE` / `MASTER_ADDR` / `MASTER_PORT` 这几个变量，rendezvous store（各 rank 会合用的键值存储），以及后端；
 # - 预测调用 `broadcast`、`all_reduce`（SUM 和 AVG）、`reduce`、`all_gather`、`reduce_scatter`、`all_to_all`、`send` / `recv` 和 `barrier` 之后，每个 rank 持有什么；
 # - 用 `send` / `recv` 手写环形 all-reduce，并解释为什么每个 rank 只需传输消息的 2(n-1)/n；
 # - 测量 `all_reduce` 的延迟和带宽，并像 nccl-tests 那样解读算法带宽与总线带宽；
@@ -47,7 +47,7 @@ print("torch", torch.__version__, "| CUDA GPUs:", torch.cuda.device_count())
 # %% [markdown]
 # ## 为什么
 #
-# 数据并行训练在每个进程里各保留一份模型副本，每次反向传播之后，每份副本都需要所有进程梯度的总和。以一个 10 亿参数、fp32 梯度的模型跑在 8 个进程上为例：每个进程有 4 GB 梯度。最直观的做法是“所有进程都发给 rank 0，rank 0 求和后再发回去”，这样 rank 0 要接收 7 份、发送 7 份，其他 rank 则在空等。环形 all-reduce（下文会手写一个）让每个 rank 发送同样多、而且少得多的数据，这个量几乎与 rank 数无关。下面的代码单元把两种方式都算了一遍。
+# 数据并行训练在每个进程里各保留一份模型副本，每次反向传播之后，每份副本都需要所有进程梯度的总和。以一个 10 亿参数、fp32 梯度的模型跑在 8 个进程上为例：每个进程有 4 GB 梯度。最直观的做法是“所有进程都发给 rank 0，rank 0 求和后再发回去”，这样 rank 0 要接收 7 份、发送 7 份，其他 rank 则在空等。换成环形 all-reduce（下文会手写一个），每个 rank 发送的数据一样多，而且少得多，几乎不随 rank 数变化。下面的代码单元把两种方式都算了一遍。
 
 # %%
 num_params, bytes_per_grad, n = 1_000_000_000, 4, 8
@@ -66,7 +66,7 @@ assert naive_rank0 / ring_per_rank == n / 2
 #
 # ### 进程与 rank
 #
-# 分布式 PyTorch 就是若干个普通的 Python 进程，通常每块 GPU 一个。它们之间不共享任何东西（每个进程有自己的内存、自己的模型、自己的 Python 对象）；它们唯一的协作方式，是以相同的顺序调用相同的通信函数。
+# 分布式 PyTorch 就是若干个普通的 Python 进程，通常每块 GPU 一个。进程之间什么都不共享（各有各的内存、模型和 Python 对象），唯一的协作方式，就是按相同的顺序调用相同的通信函数。
 #
 # `torchrun --nproc-per-node N script.py` 在本节点上启动 N 份 `script.py`，并在每个进程中设置以下环境变量：
 #
@@ -78,9 +78,9 @@ assert naive_rank0 / ring_per_rank == n / 2
 # | `LOCAL_WORLD_SIZE` | 本节点上的进程数 |
 # | `MASTER_ADDR`、`MASTER_PORT` | rendezvous store 监听的地址 |
 #
-# `dist.init_process_group()`（默认的 `env://` 方式）读取的就是这些变量。一个小型键值服务器，即 `TCPStore`，在 `MASTER_ADDR:MASTER_PORT` 上监听（由 rank 0 托管；在 torchrun 下则由第一个节点上的 torchrun 进程托管）；每个 rank 都连接到它，并通过它交换各自的网络地址。之后后端（gloo 或 NCCL）才会在 rank 之间建立直连。正因如此，只需一个地址就能在多台机器上启动作业；也正因如此，`MASTER_ADDR` 写错会让每个 rank 都卡在启动阶段等待。
+# `dist.init_process_group()`（默认的 `env://` 方式）读取的就是这些变量。`MASTER_ADDR:MASTER_PORT` 上监听着一个小型键值服务器 `TCPStore`（由 rank 0 托管；在 torchrun 下则由第一个节点上的 torchrun 进程托管）；每个 rank 都连上它，借它互相交换网络地址。之后后端（gloo 或 NCCL）才在 rank 之间建立直连。所以只要一个地址就能在多台机器上启动作业；也正因如此，`MASTER_ADDR` 一旦写错，每个 rank 都会在启动阶段一直等下去。
 #
-# 在 notebook 里没法对某个单元运行 `torchrun`，所以由 `lessons/spawn.py` 来做同样的事：它启动 N 个进程，设置这些变量，调用 `init_process_group("gloo")`，并返回每个 rank 上函数的返回值。下面每个 rank 会报告自己看到的内容，还会自己连接 rendezvous store，在一个 key 下写入自己的进程 ID，然后等待其他所有进程的 key。
+# notebook 里的单元没法用 `torchrun` 来跑，所以由 `lessons/spawn.py` 代劳：它启动 N 个进程，设置这些变量，调用 `init_process_group("gloo")`，再把各 rank 上函数的返回值收回来。下面每个 rank 报告自己看到的内容，还会自己连上 rendezvous store，把自己的进程 ID 写到一个 key 下，再等其他所有进程的 key 出现。
 
 # %%
 views = run_workers(cw.describe_process, 4, timeout_s=60)
@@ -97,7 +97,7 @@ assert len({v["env"]["MASTER_PORT"] for v in views}) == 1    # 所有 rank 用�
 # %% [markdown]
 # ### 后端：CUDA 张量用 NCCL，CPU 张量用 gloo
 #
-# 真正执行通信的是后端。NCCL 用 GPU kernel 在 CUDA 张量上执行集合通信，走 NVLink、PCIe 或 InfiniBand；gloo 则在 CPU 张量上执行，走 TCP。两者的 API 相同，所以本课程的每个实验都是一份文件同时支持两种后端。各实验按一条规则选择：每个 local rank 都有自己的 GPU 时用 CUDA + NCCL，否则用 CPU + gloo。下面就是实现这条规则的代码：实验工具包（`labs/labkit/runtime.py`）中的 `pick_device_type`，以及 `labs/lab01_ddp.py` 中的 `init_distributed`（直接从文件中打印出来，所以正是实际运行的代码）：
+# 真正执行通信的是后端。NCCL 用 GPU kernel 在 CUDA 张量上执行集合通信，走 NVLink、PCIe 或 InfiniBand；gloo 则在 CPU 张量上执行，走 TCP。两者的 API 相同，所以本课程的每个实验都只有一份文件，两种后端通用。各实验选后端只看一条规则：每个 local rank 都有自己的 GPU 时用 CUDA + NCCL，否则用 CPU + gloo。下面就是实现这条规则的代码：实验工具包（`labs/labkit/runtime.py`）中的 `pick_device_type`，以及 `labs/lab01_ddp.py` 中的 `init_distributed`（直接从文件里打印出来，所以就是实际运行的那份代码）：
 
 # %%
 sys.path.insert(0, str(ROOT / "labs"))
@@ -126,7 +126,7 @@ print(inspect.getsource(cw.ring_all_reduce))
 # %% [markdown]
 # 每个 rank 同时在发送和接收，所以 `exchange` 用非阻塞的 `isend` 发送：如果所有 rank 都先调用阻塞的 `send`，每个 rank 都可能在等一个同样卡在 `send` 里的邻居，整个环就可能死锁。
 #
-# 为了看清这两个阶段，让 rank r 的每个元素初始值都为 10^r，这样求和结果的各位数字就标明了其中包含哪些 rank（1101 = rank 0、2 和 3）。方格颜色越深，表示累加进来的 rank 越多。`check_ring` 还会在 1000 个随机浮点数和 1000 个随机整数上运行这个环，并与库函数 `dist.all_reduce` 的结果比较。
+# 为了看清这两个阶段，把 rank r 的每个元素初值设为 10^r，这样从和的各位数字就能看出加进了哪些 rank（1101 = rank 0、2 和 3）。方格颜色越深，加进来的 rank 越多。`check_ring` 还会在 1000 个随机浮点数和 1000 个随机整数上各跑一遍这个环，并与库函数 `dist.all_reduce` 的结果比较。
 
 # %%
 ring = run_workers(cw.check_ring, 4, timeout_s=60)
@@ -150,17 +150,17 @@ for r, result in enumerate(ring):  # ……完整结果也与库函数的一致
     assert result["bytes_sent"] == 2 * (4 - 1) / 4 * result["bytes_total"]
 
 # %% [markdown]
-# 在整数上，两者的结果完全相同。在浮点数上，最后几位可能不同：环的累加顺序与库的算法不同，而浮点加法不满足结合律。另外，每个 rank 恰好发送了张量字节数的 2(n-1)/n：每个阶段发送 n-1 个大小为 S/n 的块。
+# 整数上两者结果完全相同；浮点数上最后几位可能不同：环的累加顺序与库的算法不同，而浮点加法不满足结合律。另外，每个 rank 恰好发送了张量字节数的 2(n-1)/n：每个阶段发送 n-1 个大小为 S/n 的块。
 #
 # ### 代价模型
 #
-# 给每一步一个固定开销 alpha（启动一条消息的延迟），并设每个 rank 的发送速率为 B 字节/秒。那么在 n 个 rank 上对 S 字节做环形 all-reduce，耗时为
+# 设每一步有固定开销 alpha（发起一条消息的延迟），每个 rank 的发送速率为 B 字节/秒。那么在 n 个 rank 上对 S 字节做环形 all-reduce，耗时为
 #
 #     t(S) = 2(n-1) * alpha  +  2(n-1)/n * S / B
 #
 # 小消息的耗时主要是延迟项，大消息主要是带宽项。带宽项几乎不随 n 增长（2(n-1)/n 始终小于 2），这正是环形 all-reduce 能够扩展的原因；延迟项则随 n 线性增长，所以 NCCL 还实现了树形算法（延迟按 log n 增长），并在每次调用时选择算法。
 #
-# 一次测量可以得出两种带宽，其定义与 [nccl-tests](https://github.com/NVIDIA/nccl-tests/blob/03a204a1f38aaea17f1a777885bb2d9600ba7eff/doc/PERFORMANCE.md) 一致：
+# 一次测量能算出两种带宽，定义与 [nccl-tests](https://github.com/NVIDIA/nccl-tests/blob/03a204a1f38aaea17f1a777885bb2d9600ba7eff/doc/PERFORMANCE.md) 相同：
 # - **算法带宽** `algbw = S / t`：调用方看到的带宽。对 all-reduce 来说，即使硬件完美，它也会随 n 增大而下降，因为每个 rank 必须传输 2(n-1)/n * S。
 # - **总线带宽** `busbw = algbw x factor`，其中 factor 对 all-reduce 是 2(n-1)/n，对 all-gather、reduce-scatter 和 all-to-all 是 (n-1)/n（S 取 gather 之后的完整大小），对 broadcast 和 reduce 是 1。它消除了对 n 的依赖，所以无论 n 是多少，都可以直接与链路的峰值对比。
 
@@ -178,7 +178,7 @@ for n in (2, 4, 8, 64):
 #
 # ### 逐个演示集合通信（4 个进程）
 #
-# `run_collectives` 在 4 个 gloo 进程上把每个调用各执行一次。rank r 的初始值为 10r, 10r+1, ...：十位数字和颜色都表示一个值来自哪个 rank。灰色方格是多个 rank 的和；带斜线阴影的行表示调用之后其内容未定义。每个集合通信都必须由组内的**每一个** rank 调用，顺序相同、形状匹配：这是约定，而违反这条约定是最常见的分布式卡死原因。
+# `run_collectives` 在 4 个 gloo 进程上把每个调用各执行一次。rank r 的初值为 10r, 10r+1, ...：十位数字和颜色都标明这个值来自哪个 rank。灰色方格是多个 rank 的和；带斜线阴影的行表示调用之后内容未定义。每个集合通信都必须由组内的**每一个** rank 调用，顺序相同、形状匹配：这是约定，分布式训练卡死，最常见的原因就是违反了它。
 
 # %%
 WORLD_SIZE = 4
@@ -195,7 +195,7 @@ def show(name, title, reduced=False):
     return before, after
 
 # %% [markdown]
-# **broadcast**：一个 rank（`src`）把自己的张量发给所有 rank。用于让每个副本都从 rank 0 的权重开始（DDP 包装模型时就会这样做），以及共享配置或随机种子。
+# **broadcast**：一个 rank（`src`）把自己的张量发给所有 rank。用途：让每个副本都从 rank 0 的权重开始（DDP 包装模型时就会这样做），或者共享配置、随机种子。
 
 # %%
 before, after = show("broadcast", "dist.broadcast(x, src=0)")
@@ -234,7 +234,7 @@ column_sums = torch.stack([cw.rank_values(r, WORLD_SIZE) for r in range(WORLD_SI
 assert all(torch.equal(after[i], column_sums[i:i + 1]) for i in range(WORLD_SIZE))
 
 # %% [markdown]
-# **all_to_all**：rank i 把自己的第 j 块发给 rank j，相当于跨 rank 的转置。混合专家（MoE）用它把每个 token 发到持有对应专家的 rank 上。演示中调用的是单张量形式 `all_to_all_single`，也就是这类代码实际使用的形式。
+# **all_to_all**：rank i 把自己的第 j 块发给 rank j，相当于跨 rank 的转置。混合专家（MoE）用它把每个 token 发到持有对应专家的 rank 上。演示调用的是单张量形式 `all_to_all_single`，这类代码实际用的也是它。
 
 # %%
 before, after = show("all_to_all", "dist.all_to_all_single(out, x)")
@@ -248,7 +248,7 @@ before, after = show("send_recv", "isend to rank+1, recv from rank-1")
 assert all(torch.equal(after[r], initial[(r - 1) % WORLD_SIZE]) for r in range(WORLD_SIZE))
 
 # %% [markdown]
-# **barrier**：不传数据，只是一个集合点：所有 rank 到齐之前，谁都不能离开。这里 rank r 在调用它之前先睡眠 0.3 × r 秒。barrier 要少用（例如在 rank 0 读取其他 rank 写的文件之前）；集合通信本身就已经会同步参与其中的各个 rank。
+# **barrier**：不传数据，只是一个集合点：所有 rank 到齐之前，谁都不能离开。这里 rank r 在调用它之前先睡眠 0.3 × r 秒。barrier 要少用（例如在 rank 0 读取其他 rank 写的文件之前）；集合通信本身就会让参与的各个 rank 同步。
 
 # %%
 arrived = [results[r]["barrier"]["arrived"] for r in range(WORLD_SIZE)]
@@ -271,7 +271,7 @@ assert min(left) >= max(arrived)        # 最后一个 rank 到达之前，谁�
 # %% [markdown]
 # ### rank 组，以及立即返回的调用
 #
-# 上面的每次调用都在**默认进程组**上进行，也就是 `init_process_group` 创建的、包含全部 4 个 rank 的那个组。进程组就是一组相互通信的 rank；`dist.new_group(ranks)` 可以再建一个，每个集合通信都接受 `group=` 参数，只在这个组内进行。每个 rank 都必须按相同的顺序创建每一个组，包括自己不在其中的组。后面几课会让每种通信各走一个组：FSDP 的 all-gather 在一组 rank 内进行，张量并行的在另一组内进行。
+# 上面的每次调用都在**默认进程组**上进行，也就是 `init_process_group` 创建的、包含全部 4 个 rank 的那个组。进程组就是一组相互通信的 rank；`dist.new_group(ranks)` 可以再建一个，每个集合通信都接受 `group=` 参数，只在这个组内进行。每个 rank 都必须按相同的顺序创建每一个组，包括自己不在其中的组。后面几课会让每类通信各走一个组：FSDP 的 all-gather 在一组 rank 内进行，张量并行的在另一组内进行。
 #
 # 其次是 `async_op=True`：调用立即返回一个 `Work` 句柄，集合通信在后台进行，`work.wait()` 会阻塞，直到结果写进张量。在这之间，rank 可以去做计算。DDP 就是这样让 all-reduce 与反向传播重叠的（第 01 课），FSDP 也是这样让 all-gather 与上一个块的计算重叠的（第 02 课和第 06 课）。
 
@@ -364,7 +364,7 @@ assert set(diffs) == {"DDP", "FSDP", "TP", "PP"} and max(diffs.values()) <= 1e-1
 #
 # ### torchrun 实际启动了什么
 #
-# 本课没有单独的实验：`lessons/collective_workers.py` 本身也是一个 torchrun 脚本（和各实验一样，只依赖标准库和 torch）。每个 rank 按各实验的规则选择后端，用 `all_gather_object`（作用于 pickle 序列化后的 Python 对象的集合通信）收集所有 rank 的环境变量，对自己的 rank 编号做 all-reduce，最后由 rank 0 把结果写成 JSON。确切的命令如下：
+# 本课没有单独的实验：`lessons/collective_workers.py` 本身也是一个 torchrun 脚本（和各实验一样，只依赖标准库和 torch）。每个 rank 按各实验的规则选择后端，用 `all_gather_object`（一种集合通信，操作的是 pickle 过的 Python 对象）收集所有 rank 的环境变量，对自己的 rank 编号做 all-reduce，最后由 rank 0 把结果写成 JSON。确切的命令如下：
 
 # %%
 out_dir = Path(tempfile.mkdtemp())
@@ -396,9 +396,9 @@ assert all(view["backend"] == expected_backend for view in report["ranks"])
 #
 # ### 本机上的耗时与消息大小
 #
-# 现在用真实测量来检验代价模型：在 2 个 gloo 进程上对 float32 张量执行 `dist.all_reduce`，大小从 1 KiB 到 16 MiB。每个点取 25 个短计时窗口中最快的一个；每个窗口取最慢 rank 的平均耗时，窗口内的调用次数足以让它持续约 2 ms，并且不同大小交替测量。为什么取最快的：这台机器是共享的，慢的窗口测到的是其他程序，而不是集合通信本身。
+# 现在用真实测量来检验代价模型：在 2 个 gloo 进程上对 float32 张量执行 `dist.all_reduce`，大小从 1 KiB 到 16 MiB。每个点取 25 个短计时窗口中最快的一个；每个窗口连续调用若干次、总共持续约 2 ms，取最慢 rank 的平均耗时，不同大小交替测量。之所以取最快的，是因为这台机器是共享的：慢的窗口测到的是别的程序，而不是集合通信本身。
 #
-# 拟合方法是在 alpha-beta 模型 t(S) = a + b * S 上做最小二乘，按 1/t 加权，让 1 KiB 的点和 16 MiB 的点同样重要（不加权的话，最大的几个耗时会主导一切，延迟估计就成了噪声）。代入环形算法的公式，a = 2(n-1) * alpha，b = 2(n-1) / (n * B)，所以总线带宽为 2(n-1)/n / b。
+# 用最小二乘拟合 alpha-beta 模型 t(S) = a + b * S，按 1/t 加权，让 1 KiB 的点和 16 MiB 的点分量相同（不加权的话，最大的几个耗时说了算，估出来的延迟就只剩噪声）。代入环形算法的公式，a = 2(n-1) * alpha，b = 2(n-1) / (n * B)，所以总线带宽为 2(n-1)/n / b。
 
 # %%
 n = 2
@@ -438,9 +438,9 @@ plt.show()
 assert busbw[0] < 0.5 * busbw_fit and busbw[-1] > busbw[0]
 
 # %% [markdown]
-# 从左往右看左图：延迟项占主导时曲线是平的，之后变成斜率为 1 的直线，耗时随大小增长。右图是同一组数据换算成的带宽：极小的消息只用到了机器传输能力的一小部分，这就是 DDP 把梯度打包成若干 MB 的桶、而不是逐个参数单独发送梯度的原因。
+# 从左往右看左图：延迟项占主导时曲线是平的，之后变成斜率为 1 的直线，耗时随大小增长。右图是同一组数据换算成的带宽：极小的消息只用到了机器传输能力的一小部分，所以 DDP 把梯度打包成几 MB 一个的桶，而不是把每个参数的梯度单独发出去。
 #
-# 拟合的预测好坏，完全取决于这两个数字。在每个 rank 带宽相同的情况下，调用方看到的算法带宽随 n 下降，而总线带宽保持不变：
+# 拟合能预测得多准，全看这两个数字。每个 rank 的带宽不变时，调用方看到的算法带宽随 n 下降，总线带宽则保持不变：
 
 # %%
 for ranks in (2, 4, 8, 64):
@@ -454,7 +454,7 @@ print(f"one all-reduce of the 4 GB of gradients from 'Why', 2 processes on this 
 assert seconds_4gb > b * grad_bytes > 0
 
 # %% [markdown]
-# 这些是 gloo 在单台 CPU 主机上多进程测得的数字，这里的“链路”其实是经过内核回环 TCP 的内存拷贝。在 GPU 上，请用同样的方法（或者用 nccl-tests）测量 NCCL，并把总线带宽与 NVLink 或网络的峰值对比；同样的两项模型依然适用。
+# 这些数字是 gloo 在一台 CPU 主机上用多个进程测的，这里的“链路”其实是经由内核回环 TCP 的内存拷贝。到了 GPU 上，用同样的方法（或者用 nccl-tests）测 NCCL，把总线带宽和 NVLink 或网络的峰值比一比；这个两项模型同样适用。
 #
 # ## 小结
 #
@@ -466,14 +466,14 @@ assert seconds_4gb > b * grad_bytes > 0
 #
 # ## 练习
 #
-# 1. 在“逐个演示集合通信”的代码单元中设置 `WORLD_SIZE = 3`。哪些图的形状变了？为什么 `reduce_scatter` 和 `all_to_all` 需要每个 rank 提供 n 块数据？
-# 2. 运行 `run_workers(cw.check_ring, 3, 1001)`（1001 就是 `numel` 参数）：现在各块大小不均。每个 rank 发送多少字节？2(n-1)/n * S 从哪里开始不再精确？
-# 3. 把 `exchange` 复制到你自己的模块里，用阻塞的 `dist.send` 代替 `isend`，然后用 `run_workers(..., timeout_s=20)` 分别在 `numel` 为 1000 和 10 000 000 时运行这个环。它能跑完吗？超时会抛出异常而不是卡死；阻塞的 send 能否在接收方就绪之前完成取决于后端，所以绝不要依赖这一点。
-# 4. 在计时单元中把 `n = 2` 改成 `n = 3`（用 3 个进程运行 `time_all_reduce`）。在 CPU 核数少于进程数的机器上，延迟项会怎样变化？
-# 5. 在 `tp_pattern` 中，对一个由 B 个宽度为 d 的 token 组成的 batch，算一算每个 MLP 的 all-reduce 要传输多少字节，并与同一层在 DDP 下的梯度 all-reduce 对比。
+# 下面每道练习都收在[入门练习](../docs/onboarding-exercises.md)里，配有一段自查代码（你的答案必须通过的一段 Python）和一份折叠起来的参考答案。
+#
+# 1. **环形 all-reduce 发送的字节数**：n 不能整除张量时，`ring_all_reduce` 中每个 rank 发送的确切字节数（[入门练习](../docs/onboarding-exercises.md#exercise-01-bytes-sent-by-a-ring-all-reduce)中的练习 0.1）。
+# 2. **算法带宽与总线带宽**：根据 `comm_bench` 测得的总线带宽，算出 2 个和 8 个 rank 上一次 all-reduce 的耗时和带宽（[入门练习](../docs/onboarding-exercises.md#exercise-02-algorithm-and-bus-bandwidth)中的练习 0.2）。
+# 3. **张量并行发送什么，DDP 发送什么**：`tp_pattern` 和 `ddp_pattern` 中那次 all-reduce 各发送多少字节，以及 batch 多大时两者相等（[入门练习](../docs/onboarding-exercises.md#exercise-03-what-tensor-parallel-sends-and-what-ddp-sends)中的练习 0.3）。
 #
 # ## 出问题时
 #
-# - 某个单元停在 `run_workers` 上，然后抛出 `TimeoutError`：有一个 rank 没有加入某次集合通信（某个 rank 上调用的顺序或次数不同），或者它先挂掉了；超时把卡死变成了报错。排障手册（[排障手册索引](../runbooks/index.md)）会深入讲解卡死和超时。
-# - 关于尺寸不匹配的 `RuntimeError`：传给集合通信的张量在每个 rank 上必须具有相同的形状和 dtype（`recv` 的缓冲区也一样）。
+# - 某个单元停在 `run_workers` 上，然后抛出 `TimeoutError`：有一个 rank 没有加入某次集合通信（某个 rank 上调用的顺序或次数不同），或者它先挂掉了；超时把卡死变成了报错。卡死和超时在排障手册（[排障手册索引](../runbooks/index.md)）里有详细讲解。
+# - 报 `RuntimeError`，说尺寸不匹配：传给集合通信的张量在每个 rank 上必须具有相同的形状和 dtype（`recv` 的缓冲区也一样）。
 # - 报错说 gloo 不支持 `reduce_scatter` 或 `ReduceOp.AVG`：torch 版本低于 2.8。这里的辅助函数会自动回退（`cw.GLOO_HAS_AVG_AND_REDUCE_SCATTER`）；你自己的代码也必须这样做，或者改用 NCCL。

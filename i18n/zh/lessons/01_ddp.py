@@ -64,11 +64,11 @@ for world_size in (2, 4, 8):
 assert num_params == 139_584
 
 # %% [markdown]
-# 把同样的算术放大来看：一个 1B 参数的 fp32 模型，在 16 个 rank 上每个 rank 每步要传输约 7.5 GB。DDP 能让其中大部分通信与反向传播重叠（见下文），但真正的限制在显存：每个 rank 都完整持有参数、梯度和优化器状态（fp32 下用 Adam，每个参数约 16 字节），这正是 FSDP（第 02 课）要解决的问题。
+# 同样的算式放到大模型上：一个 1B 参数的 fp32 模型，在 16 个 rank 上每个 rank 每步要传输约 7.5 GB。DDP 能把其中大部分藏在反向传播后面（见下文），真正卡脖子的是显存：每个 rank 都完整持有参数、梯度和优化器状态（fp32 下用 Adam，每个参数约 16 字节），这正是 FSDP（第 02 课）要解决的问题。
 #
 # ## 从零开始：自己动手平均梯度
 #
-# 两个进程，各有一份模型（初始权重相同），各自对一个 16 条序列的 batch 中属于自己的那一半做反向传播。然后执行一次集合通信 `all_reduce(SUM)`，再除以 world size。worker 函数会把结果与两方面比较：DDP 在同样两半数据上的结果，以及单个进程在整个 batch 上做反向传播的结果。
+# 两个进程各有一份模型（初始权重相同）；一个 batch 有 16 条序列，两个进程各对自己那一半做反向传播。然后做一次集合通信 `all_reduce(SUM)`，再除以 world size。worker 函数拿结果和两样东西比：DDP 在同样两半数据上的结果，以及单个进程对整个 batch 做反向传播的结果。
 
 # %%
 import inspect  # noqa: E402
@@ -84,7 +84,7 @@ assert all(r["manual_vs_ddp"] == 0.0 for r in by_hand)  # DDP 做的正是这个
 assert all(r["manual_vs_whole_batch"] < 1e-6 for r in by_hand)  # = 整个 batch 的梯度
 
 # %% [markdown]
-# 结果与 DDP 逐位相同，与整个 batch 的梯度只差浮点舍入（约 1e-8）：因为两半大小相同，两个半 batch 均值的平均值*就是*整个 batch 的均值。数据并行的全部思想就在于此。
+# 结果与 DDP 逐位相同，与整个 batch 的梯度只差浮点舍入（约 1e-8）：因为两半大小相同，两个半 batch 均值的平均值*就是*整个 batch 的均值。数据并行说到底就是这个道理。
 #
 # ## 使用 PyTorch：看 diff
 #
@@ -103,7 +103,7 @@ assert len(plain.read_text().splitlines()) < 50 and len(changed) < 35  # 含 doc
 # %% [markdown]
 # 撇开 docstring 不谈，可以把它看成五处改动：
 #
-# 1. **创建进程组**，并显式指定超时，让卡住的对端变成一个报错，而不是卡死（GPU 上：先调用 `torch.cuda.set_device(local_rank)`，再使用 `nccl`）。
+# 1. **创建进程组**，并显式指定超时，这样对端卡住时会报错，而不是一直卡死（GPU 上：先调用 `torch.cuda.set_device(local_rank)`，再使用 `nccl`）。
 # 2. **用 `DistributedDataParallel` 包装模型**：它先把 rank 0 的权重 broadcast 给所有 rank，然后在 `backward()` 期间对梯度做 all-reduce。
 # 3. **让每个 rank 读不同的数据**：使用 `DistributedSampler`，每个 rank 的 batch size 为 `BATCH // world_size`，并在每个 epoch 调用 `set_epoch(epoch)`（不调用的话，每个 epoch 都会重复第一个 epoch 的顺序，见[每个 epoch 顺序相同](../runbooks/dataloader-same-order-every-epoch.md)）。
 # 4. **只在 rank 0 上打印和保存**，保存的是 `model.module`，这样键名不会带 `module.` 前缀。
@@ -135,7 +135,7 @@ assert plain_state.keys() == ddp_state.keys() and script_parity <= 1e-5
 # %% [markdown]
 # 得到的是同一个模型，差异只在舍入误差范围内：两个半 batch 梯度的平均值就是整个 batch 的梯度。数据顺序也一致，因为 `DistributedSampler(seed=0)` 和普通脚本的 `RandomSampler` 在每个 epoch 抽出的 `randperm` 相同，而 DDP 的 rank r 从中每隔 `world_size` 个索引取一个。
 #
-# 实验脚本做的是同样的事，再加上长时间训练作业需要的东西：梯度累积（除最后一个微步外都使用 `no_sync()`，即它的 `gradient_sync`，由工具包的 `train_step` 在每个微步外层进入）、检查点、日志和故障处理。（它的 `init_distributed()` 还会构建一个可以安全重启的 store，原因见[重启后卡死](../runbooks/restart-hang.md)。）
+# 实验脚本做的是同样的事，再加上长时间训练作业需要的东西：梯度累积（除最后一个微步外都用 `no_sync()`，即实验里的 `gradient_sync`，工具包的 `train_step` 会在每个微步外面套上它）、检查点、日志和故障处理。（它的 `init_distributed()` 还会建一个重启也不出问题的 store，原因见[重启后卡死](../runbooks/restart-hang.md)。）
 
 # %%
 print(inspect.getsource(lab.apply_ddp))
@@ -149,7 +149,7 @@ print(inspect.getsource(lab.train_step))  # 来自工具包：labs/labkit/loop.p
 #
 # 有一个例外：当 `bucket_cap_mb` 保持默认值（`None`，即 25 MiB）时，第一个桶，也就是反向传播中最先发起 all-reduce 的那个桶，上限是 `dist._DEFAULT_FIRST_BUCKET_BYTES` = 1 MiB，为的是让通信尽早开始。显式传入 `bucket_cap_mb=25`，则每个桶都是 25 MiB。本实验显式传入 `--bucket-cap-mb`（默认 25），所以下面的计数遵循普通规则。
 #
-# worker 注册了一个通信 hook（标准的 all-reduce，外加一个计数器），优化器每更新一次包含 4 个微步。
+# worker 注册了一个通信 hook（标准的 all-reduce，外加一个计数器），优化器每更新一次跑 4 个微步。
 
 # %%
 largest_param_bytes = max(p.numel() for p in model.parameters()) * 4
@@ -193,11 +193,11 @@ print(f"with no_sync:    {no_sync['allreduce_calls_per_step']:.0f} all-reduces/s
 assert no_sync["allreduce_calls_per_step"] * 4 == synced["allreduce_calls_per_step"]
 
 # %% [markdown]
-# 次数是精确的；时间则是在运行本页的机器上如实测得的（这里是两个 CPU 进程共用几个核心，所以不要对微小的差异过度解读）。在 GPU 上，通信在独立的 stream 上执行，真正与反向传播重叠；而在这种只有 CPU 的 gloo 环境里，计算和通信争抢同样的核心。计数时跳过了第一步：DDP 用它来记录梯度就绪的顺序，然后按这个顺序重建桶。
+# 次数是精确的；时间则是在跑本页的那台机器上如实测的（这里是两个 CPU 进程共用几个核，细小的差异不必当真）。在 GPU 上，通信在独立的 stream 上执行，真正与反向传播重叠；而在这种只有 CPU 的 gloo 环境里，计算和通信争抢同样的核心。计数时跳过了第一步：DDP 用它来记录梯度就绪的顺序，然后按这个顺序重建桶。
 #
 # ## 运行实验
 #
-# `labs/lab01_ddp.py` 是可以直接复制使用的版本：按发生的顺序写出 DDP（进程组、采样器、包装、`no_sync`、由 rank 0 保存检查点），建立在旁边的实验工具包（`labs/labkit/`：模型、数据、训练循环及其日志、指标、单进程参考）之上。加上 `--check-parity` 在两个进程上运行它：训练结束后，rank 0 会在单个进程中用相同的全局 batch 重新训练一遍，并逐个比较所有参数。
+# `labs/lab01_ddp.py` 是可以直接复制去用的版本：按执行顺序把 DDP 的各个环节写出来（进程组、采样器、包装、`no_sync`、由 rank 0 保存检查点），底下用的是同目录的实验工具包（`labs/labkit/`：模型、数据、训练循环及其日志、指标、单进程参考）。加上 `--check-parity` 在两个进程上运行它：训练结束后，rank 0 会在单个进程中用相同的全局 batch 重新训练一遍，并逐个比较所有参数。
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson01-"))
@@ -219,7 +219,7 @@ ddp2 = run_lab(2, "--check-parity")
 assert ddp2["parity_max_abs_diff"] <= 1e-5
 
 # %% [markdown]
-# 最后一行已经说明了一切：两个进程训练出的模型与单进程训练的相同，差异在浮点舍入误差以内。下面是两条 loss 曲线。
+# 看最后一行就够了：两个进程训练出的模型与单进程训练的相同，差异在浮点舍入误差以内。下面是两条 loss 曲线。
 
 # %%
 steps = [s for s, _ in ddp2["losses"]]
@@ -236,7 +236,7 @@ gap = max(abs(a - b) for (_, a), b in zip(ddp2["losses"], ddp2["reference_losses
 assert gap < 1e-5 and ddp2["final_loss"] < 1.0
 
 # %% [markdown]
-# 关于这个单进程参考，有一个微妙之处。它在一个进程中累积每个 rank 各个微批次的梯度，这恰好就是全局 batch 的平均梯度；把 16 条序列当作一个大 batch，算出的是同一个均值，只是求和顺序不同，相差约 1e-8。在 AdamW 的第一步，这样的舍入误差可能让一个权重移动整整一步，所以各实验都让学习率预热：不预热时，3 个 rank 就达不到 1e-5（实测 1.4e-5，见 `tests/test_odd_world_sizes.py`）。原因的实测见[第 03 课：fp32 一致性为什么需要预热](03_tp_fsdp.ipynb#why-fp32-parity-needs-warmup-adamws-first-step)；下面的练习 3 让你在这里亲眼看到它。
+# 这个单进程参考有个细节值得注意。它在一个进程中累积每个 rank 各个微批次的梯度，这恰好就是全局 batch 的平均梯度；把 16 条序列当作一个大 batch，算出的是同一个均值，只是求和顺序不同，相差约 1e-8。在 AdamW 的第一步，这样的舍入误差可能让一个权重移动整整一步，所以各实验都对学习率做预热：不预热时，3 个 rank 就达不到 1e-5（实测 1.4e-5，见 `tests/test_odd_world_sizes.py`）。为什么会这样，[第 03 课：fp32 一致性为什么需要预热](03_tp_fsdp.ipynb#why-fp32-parity-needs-warmup-adamws-first-step)做了实测。
 #
 # 在 4 个进程上使用梯度累积（优化器每更新一次有 2 个微步，第一个使用 `no_sync`），结果也一样。本实验默认的全局 batch 是每个 rank、每个微步 8 条序列，因此会随 world size 增大；用 `--batch-size 16` 可以让它与 2 个 rank 时的全局 batch 保持一致：
 
@@ -250,7 +250,7 @@ assert abs(ddp4["final_loss"] - ddp2["final_loss"]) < 1e-4
 # %% [markdown]
 # ## DDP 用户会遇到的问题
 #
-# 下面五个问题，上面的训练循环从未遇到，真实模型却会遇到。除非另有注明，每个问题都在这里用两个 gloo 进程实际运行（`lessons/ddp_workers.py`）。
+# 上面的训练循环碰不到、真实模型却会碰到的问题有五个。除非另有注明，每个都在这里用两个 gloo 进程实际跑一遍（`lessons/ddp_workers.py`）。
 #
 # ### 得不到梯度的参数
 #
@@ -287,7 +287,7 @@ assert 0 < gap_synced < gap_drifted
 assert result["sync_by_hand_vs_whole_batch"] < 1e-6
 
 # %% [markdown]
-# *应该*用来归一化一个全局 batch 的统计量，是它在所有 rank 样本上的均值。手动实现的话，就是对每个 rank 的 batch 均值做一次 all-reduce（方差同理），结果与单进程在整个 batch 上的计算在舍入误差内一致（上面已经断言）。`torch.nn.SyncBatchNorm` 在前向中做的正是这件事；在用 DDP 包装模型之前，先用 `nn.SyncBatchNorm.convert_sync_batchnorm(model)` 转换模型。它只能在 GPU 上运行：在 CPU 上，它的前向会抛出 `SyncBatchNorm expected input tensor to be on GPU or XPU or
+# 归一化一个全局 batch，*应该*用它在所有 rank 样本上的均值。手动实现的话，就是对每个 rank 的 batch 均值做一次 all-reduce（方差同理），结果与单进程在整个 batch 上的计算在舍入误差内一致（上面已经断言）。`torch.nn.SyncBatchNorm` 在前向中做的正是这件事；在用 DDP 包装模型之前，先用 `nn.SyncBatchNorm.convert_sync_batchnorm(model)` 转换模型。它只能在 GPU 上运行：在 CPU 上，它的前向会抛出 `SyncBatchNorm expected input tensor to be on GPU or XPU or
 # privateuseone`，所以下一个单元只在有 GPU 的环境中运行。
 
 # %%
@@ -306,7 +306,7 @@ else:
 # %% [markdown]
 # ### 输入不均匀与 Join
 #
-# 如果各 rank 跑的 batch 数不同（按文件切分的 `IterableDataset`、自定义 sampler），batch 多的 rank 会卡在一次其他 rank 永远不会发起的 all-reduce 上。这里 rank 0 有 3 个 batch，rank 1 有 5 个。没有 `Join` 时，rank 0 一退出，rank 1 就会在第 4 个 batch 失败（如果 rank 0 还活着，则在超时后失败）。在 `with Join([model]):` 内部，数据用完的 rank 会一直用零响应其他 rank 的 all-reduce，直到所有 rank 都结束：
+# 如果各 rank 跑的 batch 数不同（按文件切分的 `IterableDataset`、自定义 sampler），batch 多的 rank 会卡在一次 all-reduce 里，而其他 rank 永远不会发起这次 all-reduce。这里 rank 0 有 3 个 batch，rank 1 有 5 个。没有 `Join` 时，rank 0 一退出，rank 1 就会在第 4 个 batch 失败（如果 rank 0 还活着，则在超时后失败）。在 `with Join([model]):` 内部，数据用完的 rank 会一直用零响应其他 rank 的 all-reduce，直到所有 rank 都结束：
 
 # %%
 without = run_workers(ddp_workers.uneven_inputs, 2, False, timeout_s=10)
@@ -338,7 +338,7 @@ assert {d for d, _ in fp16["sent"]} == {"torch.float16"}
 # %% [markdown]
 # ### DataParallel 不是捷径
 #
-# `torch.nn.DataParallel(model)` 用一个 Python 进程驱动所有 GPU。每一步，它都要把参数从 GPU 0 复制到其他 GPU，把 batch 切开分发出去，在多个线程中运行各个副本（这些线程共享 GIL），再把输出收集回 GPU 0，loss 也由 GPU 0 计算。GPU 0 上放的东西比其他 GPU 多，于是成为瓶颈；PyTorch 文档建议即使在单机上也使用 DDP。DDP 每块 GPU 一个进程，没有这些问题。下面的单元在有两块 GPU 的环境中，分别测量这两种方式各跑一步的耗时（仅限 GPU，CI 中不执行：在有人用 GPU 跑过之前，本页没有这组数字）：
+# `torch.nn.DataParallel(model)` 用一个 Python 进程驱动所有 GPU。每一步，它都要把参数从 GPU 0 复制到其他 GPU，把 batch 切开分发出去，在多个线程中运行各个副本（这些线程共享 GIL），再把输出收集回 GPU 0，loss 也由 GPU 0 计算。GPU 0 上放的东西比其他 GPU 多，于是成为瓶颈；PyTorch 文档建议即使在单机上也使用 DDP。DDP 每块 GPU 一个进程，没有这些问题。下面的单元在有两块 GPU 的环境中，分别测这两种方式跑一步的耗时（仅限 GPU，CI 中不执行：在有人用 GPU 跑过之前，本页没有这组数字）：
 
 # %%
 if torch.cuda.device_count() >= 2:  # 仅限 GPU，CI 中不执行
@@ -369,15 +369,11 @@ else:
 #
 # - **带评分：** 手写 DDP（广播、梯度钩子、与反向传播重叠的分桶）。填写 `exercises/ddp.py`，然后运行 `python exercises/grade.py ddp`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
 #
-# 1. **`--bucket-cap-mb`**：用上面的规则预测上限为 0.1 MiB 时每次反向传播的 all-reduce 次数，再用 `ddp_workers.count_buckets` 验证。自测：`assert per_backward <= math.ceil(558_336 / (0.1 * 2**20))`。
-# 2. **`set_epoch`**：在实验脚本的副本中注释掉 `sampler.set_epoch(epoch)`，证明 epoch 2 看到的顺序与 epoch 1 相同（提示：打印 `list(sampler)` 的前几个索引）。
-# 3. **单进程参考**：修改 `train_reference`，让它每步只用一个大 batch（把各微批次拼接起来，grad_accum 取 1），在 4 个 rank 上测量一致性；然后把优化器换成 SGD 再测一次。解释两者的差异。
-# 4. **断点续训**：先用 `--checkpoint-dir ckpt --stop-at-step 15` 运行，再去掉 `--stop-at-step` 运行一次；把最终的检查点与一次未中断运行的结果比较（`torch.equal`）。
+# 下面每道练习都收在[入门练习](../docs/onboarding-exercises.md)里，配有一段自查代码（你的答案必须通过的一段 Python）和一份折叠起来的参考答案。
 #
-# <details><summary>练习 1 的参考答案</summary>
-#
-# 0.1 MiB = 104,857.6 字节；558,336 / 104,857.6 = 5.3，所以最多 6 个桶；至少 floor(558,336 / (104,857.6 + 65,536)) = 3 个。实测次数必然落在 3..6 之间，具体是几个，`count_buckets` 会告诉你。
-# </details>
+# 1. **预测 DDP 的桶**：给定 `--bucket-cap-mb`，DDP 做 all-reduce 的各个桶有多大，与 DDP 自己的分桶对照（[入门练习](../docs/onboarding-exercises.md#exercise-11-predict-ddps-buckets)中的练习 1.1）。
+# 2. **每个 rank 读哪些样本**：调用 `set_epoch` 之后 `DistributedSampler` 分给每个 rank 的样本，以及会不会有 rank 先把数据用完（[入门练习](../docs/onboarding-exercises.md#exercise-12-which-samples-each-rank-reads)中的练习 1.2）。
+# 3. **从 epoch 中途断点续训**：lab01 从检查点断点续训时，一个 rank 读到的第一个微批次（[入门练习](../docs/onboarding-exercises.md#exercise-13-resume-mid-epoch)中的练习 1.3）。
 #
 # ## 出问题时
 #

@@ -29,7 +29,6 @@
 import inspect
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -45,7 +44,7 @@ sys.path.insert(0, str(ROOT / "labs"))
 import fsdp_workers  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
 import lab02_fsdp as lab  # noqa: E402  （实验可以直接导入：导入时什么都不执行）
 import memory_estimator as est  # noqa: E402
-from spawn import run_workers  # noqa: E402
+from spawn import run_script, run_workers  # noqa: E402
 
 # %% [markdown]
 # ## 为什么
@@ -61,49 +60,7 @@ assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 用 DDP 时，7B 装不进 80 GB 
 # %% [markdown]
 # 7B 模型在 DDP 下每个 rank 需要 112 GB：还没存下任何激活值，就已经装不进 80 GB 的 GPU。分片到 8 个 rank 上（即 ZeRO-3，FSDP 实现的就是它）则只需 14 GB。
 #
-# 下文用到的 70B 模型：70B 参数、AdamW、64 个 rank。总量为 16 B x 70e9 = 1120 GB；分片后每个 rank 1120 / 64 = **17.5 GB**（十进制单位；合 16.3 GiB）。
-#
-# <details><summary>你可能见过的“17.6 GB”</summary>
-#
-# 网上流传的一个算例给出同一模型每个 rank 17.6 GB。它是先把各项数字舍入、再相加得到的；精确的和是 17.5 GB。
-# </details>
-
-# %%
-e70 = est.estimate_per_rank(70e9, 64, "zero3")
-print(f"70B, AdamW, 64 ranks: params {e70.params_bytes / 1e9:.3f} GB + grads "
-      f"{e70.grads_bytes / 1e9:.3f} GB + optimizer {e70.optimizer_bytes / 1e9:.2f} GB "
-      f"= {e70.total_bytes / 1e9:.2f} GB per rank ({e70.total_bytes / 2**30:.2f} GiB)")
-assert est.estimate_per_rank(70e9, 64, "ddp").total_bytes == 1120e9
-assert e70.total_bytes == 17.5e9
-
-# %% [markdown]
-# 这个数字是下限，不是峰值。估算器会列出它没有计入的内容：
-
-# %%
-for item in est.LEFT_OUT:
-    print("-", item)
-
-# %% [markdown]
-# 其中影响最大的是第一项：**激活值**。FSDP 分片的是状态，而不是计算，所以每个 rank 仍要为反向传播保留自己那个微批次的激活值。第 03 课会用 Korthikanti 等人的公式（arXiv:2205.05198，表 2）来计算激活值：在 16 位激活值、不做重计算的情况下，每层为 s b h (34 + 5 a s / h) 字节。以 Llama-2-70B（80 层，h = 8192，a = 64）为例，序列长度 4096、微批次大小 1 时：
-
-# %%
-s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
-activations_70b = num_layers * s * b * h * (34 + 5 * a * s / h)
-print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
-      f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
-assert 480 < activations_70b / 2**30 < 490  # 约 485 GiB：约为表中所列状态的 30 倍
-assert activations_70b > 25 * e70.total_bytes
-
-# %% [markdown]
-# 所以训练 70B 模型还需要激活检查点（又称激活重计算：用重计算代替存储）、张量并行或序列并行（第 03 课），或者流水线阶段（第 04 课）。
-#
-# 下一项是*临时的未分片单元*。*单元*是 FSDP 一起 gather 的一组参数，通常是一个 transformer block；单元在计算时必须是完整的。一个 Llama-2-70B block（dim 8192，MLP 隐藏层 28672，8 个 128 维的 KV head）约有 0.86B 参数，bf16 下为 1.6 GiB；在预取下一个 block 期间，约为它的两倍：
-
-# %%
-dim, hidden, kv_dim = 8192, 28672, 8 * 128
-block_params = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * hidden + 2 * dim
-print(f"one block: {block_params / 1e9:.3f}B params = {2 * block_params / 2**30:.2f} GiB in bf16")
-assert 0.85e9 < block_params < 0.86e9 and 1.55 < 2 * block_params / 2**30 < 1.65
+# 这就是 FSDP 的全部思路。下面先手写 FSDP，再用 `fully_shard` 实现并实测；最后回到[分片之后剩下的](#what-sharding-leaves-activations-and-the-gathered-unit)：激活值和未分片单元。
 
 # %% [markdown]
 # ## 从零开始：分片、all-gather、reduce-scatter
@@ -198,7 +155,7 @@ assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
 #
 # <details><summary>这些 stream 在 torch 源码中的位置</summary>
 #
-# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` 中的 `all_gather_stream` 和 `reduce_scatter_stream`（torch 2.13）。仅限 GPU，这里没有测量。
+# `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` 中的 `all_gather_stream` 和 `reduce_scatter_stream`（torch 2.13）。仅限 GPU，这里没有测量。
 # </details>
 #
 # ### 数一数 FSDP 的通信字节
@@ -221,7 +178,7 @@ assert abs((gathered + scattered) / ddp_bytes - (1.5 - R / (2 * P))) < 1e-9
 #
 # ## 使用 PyTorch：fully_shard
 #
-# 实验脚本先在 **meta 设备**上构建模型（只有形状，不占内存），然后分片，最后才分配存储：每个 rank 只分配自己的分片，别的一概不分配。每个 transformer block 是一个单元（一次 all-gather，一次 reduce-scatter）；最后对根模块的那次调用把剩下的参数归成一组：
+# 实验脚本先在 **meta 设备**上构建模型（只有形状，不占内存），然后分片，最后才分配存储：每个 rank 只分配自己的分片，别的一概不分配。每个 transformer block 是一个单元（前向之前一次 all-gather，反向之前再一次，外加一次 reduce-scatter，正如上面的 trace 所示）；最后对根模块的那次调用把剩下的参数归成一组：
 
 # %%
 print(inspect.getsource(lab.apply_fsdp))
@@ -230,7 +187,7 @@ print(inspect.getsource(lab.build_fsdp_model))
 # %% [markdown]
 # ### DeviceMesh：按轴排列的 rank
 #
-# `fully_shard` 接受一个 `mesh` 参数，即 `DeviceMesh`：把 rank 排成网格，每个轴对应一个进程组（也就是第 00 课的子组，由它替你创建）。4 个 rank 的一维网格就是包含全部 4 个 rank 的一个组，FSDP 在它上面分片。轴为 `("dp_replicate", "dp_shard")` 的 2 x 2 网格有行有列：FSDP 在一行之内分片，在各行之间复制（即下文的 HSDP）；第 03 课则在第二个轴上放张量并行。rank r 位于第 r // 2 行、第 r % 2 列：
+# `fully_shard` 接受一个 `mesh` 参数，即 `DeviceMesh`：把 rank 排成网格，每个轴对应一个进程组（也就是第 00 课的子组，由它替你创建）。4 个 rank 的一维网格就是包含全部 4 个 rank 的一个组，FSDP 在它上面分片。轴为 `("dp_replicate", "dp_shard")` 的 2 x 2 网格有行有列：FSDP 在一行之内分片，在各行之间复制（即下文的 HSDP，混合分片数据并行）；第 03 课则在第二个轴上放张量并行。rank r 位于第 r // 2 行、第 r % 2 列：
 
 # %%
 meshes = run_workers(fsdp_workers.mesh_axes, 4, timeout_s=120)
@@ -331,18 +288,58 @@ print("HSDP layout of layers.0.attention.wq.weight:", ws4[0]["hsdp"]["layout"])
 # %% [markdown]
 # ZeRO-1 以整个张量为单位在 rank 之间分配（按大小贪心分配），所以各 rank 的份额并不均匀；估算器的均匀切分是理想情况。`fsdp_no_reshard` 和 ZeRO-3 在两步之间持有的状态相同，区别在于训练步进行中有哪些数据存活。在阶段 3 下，前向之后仍保持 gather 状态的只有根单元的参数（embedding、最终的 norm、输出层：`fully_shard` 让根单元保持完整，因为反向传播从它开始）。
 #
+# ### 分片之后剩下的：激活值与未分片单元
+#
+# 分片把状态按 rank 数均分，但有两样东西分不掉，大模型能不能装下，恰恰取决于它们。
+#
+# 以 70B 模型、AdamW、64 个 rank 为例。总量为 16 B x 70e9 = 1120 GB；分片后每个 rank 1120 / 64 = **17.5 GB**（十进制单位；合 16.3 GiB）。
+#
+# <details><summary>你可能见过的“17.6 GB”</summary>
+#
+# 网上流传的一个算例给出同一模型每个 rank 17.6 GB。它是先把各项数字舍入、再相加得到的；精确的和是 17.5 GB。
+# </details>
+
+# %%
+e70 = est.estimate_per_rank(70e9, 64, "zero3")
+print(f"70B, AdamW, 64 ranks: params {e70.params_bytes / 1e9:.3f} GB + grads "
+      f"{e70.grads_bytes / 1e9:.3f} GB + optimizer {e70.optimizer_bytes / 1e9:.2f} GB "
+      f"= {e70.total_bytes / 1e9:.2f} GB per rank ({e70.total_bytes / 2**30:.2f} GiB)")
+assert est.estimate_per_rank(70e9, 64, "ddp").total_bytes == 1120e9
+assert e70.total_bytes == 17.5e9
+
+# %% [markdown]
+# 这个数字是下限，不是峰值：本课开头估算器的表格下面已经列出了它没有计入的内容。其中影响最大的是第一项：**激活值**。FSDP 分片的是状态，而不是计算，所以每个 rank 仍要为反向传播保留自己那个微批次的激活值。第 03 课会用 Korthikanti 等人的公式（arXiv:2205.05198，表 2）来计算激活值：在 16 位激活值、不做重计算的情况下，每层为 s b h (34 + 5 a s / h) 字节。以 Llama-2-70B（80 层，h = 8192，a = 64）为例，序列长度 4096、微批次大小 1 时：
+
+# %%
+s, b, h, a, num_layers = 4096, 1, 8192, 64, 80
+activations_70b = num_layers * s * b * h * (34 + 5 * a * s / h)
+print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
+      f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
+assert 480 < activations_70b / 2**30 < 490  # 约 485 GiB：约为表中所列状态的 30 倍
+assert activations_70b > 25 * e70.total_bytes
+
+# %% [markdown]
+# 所以训练 70B 模型还需要激活检查点（又称激活重计算：用重计算代替存储）、张量并行或序列并行（第 03 课），或者流水线阶段（第 04 课）。
+#
+# 下一项是*临时的未分片单元*。*单元*是 FSDP 一起 gather 的一组参数，通常是一个 transformer block；单元在计算时必须是完整的。一个 Llama-2-70B block（dim 8192，MLP 隐藏层 28672，8 个 128 维的 KV head）约有 0.86B 参数，bf16 下为 1.6 GiB；在预取下一个 block 期间，约为它的两倍：
+
+# %%
+dim, hidden, kv_dim = 8192, 28672, 8 * 128
+block_params = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * hidden + 2 * dim
+print(f"one block: {block_params / 1e9:.3f}B params = {2 * block_params / 2**30:.2f} GiB in bf16")
+assert 0.85e9 < block_params < 0.86e9 and 1.55 < 2 * block_params / 2**30 < 1.65
+
+# %% [markdown]
 # ## 运行实验
 #
 # 实验脚本在 4 个进程上用 FSDP 训练，把每个参数与在相同全局 batch 上运行的单进程结果比较，并写出指标：
 
 # %%
 out_dir = Path(tempfile.mkdtemp())
-cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-       str(ROOT / "labs" / "lab02_fsdp.py"), "--steps", "20", "--check-parity",
-       "--metrics-out", str(out_dir / "fsdp4.json")]
-proc = subprocess.run(cmd, check=True, timeout=300, capture_output=True, text=True,
-                      env={**os.environ, "OMP_NUM_THREADS": "1"})
-print(proc.stdout)
+# torchrun --standalone --nproc-per-node 4 labs/lab02_fsdp.py --steps 20 --check-parity \
+#     --metrics-out OUT/fsdp4.json
+print(run_script(ROOT / "labs" / "lab02_fsdp.py", 4, ["--steps", 20, "--check-parity",
+                 "--metrics-out", out_dir / "fsdp4.json"], timeout_s=300))
 run4 = json.loads((out_dir / "fsdp4.json").read_text())
 assert run4["parity_max_abs_diff"] <= 1e-5
 print("layers.0.attention.wq.weight:", run4["layout"]["layers.0.attention.wq.weight"])
@@ -446,12 +443,10 @@ print("\n".join(difflib.unified_diff(fsdp1_path.read_text().splitlines(),
 
 # %%
 port_dir = Path(tempfile.mkdtemp(prefix="lesson02-port-"))
-port_env = {**os.environ, "OMP_NUM_THREADS": "1"}
 for nproc, dtype in ((2, "float32"), (1, "float32"), (2, "bfloat16")):
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", str(nproc), str(fsdp2_path),
-                    str(port_dir / f"{dtype}-{nproc}.pt"), "--param-dtype", dtype],
-                   check=True, timeout=180, env=port_env, capture_output=True)
+    # torchrun --standalone --nproc-per-node NPROC lessons/fsdp2_train.py OUT --param-dtype D
+    run_script(fsdp2_path, nproc, [port_dir / f"{dtype}-{nproc}.pt", "--param-dtype", dtype],
+               timeout_s=180)
 two, one = (torch.load(port_dir / f"float32-{n}.pt", weights_only=True) for n in (2, 1))
 port_parity = max((two[k] - one[k]).abs().max().item() for k in one)
 print(f"FSDP2 port, fp32, 2 ranks against 1: max |param diff| {port_parity:.1e}; "
@@ -522,12 +517,12 @@ assert (major, minor) >= (2, 6)
 # - **带评分：** ZeRO-1 分片优化器。填写 `exercises/zero1.py`，然后运行 `python exercises/grade.py zero1`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
 # - **带评分：** 手写 FSDP（分片、all-gather、释放、reduce-scatter）。填写 `exercises/fsdp.py`，然后运行 `python exercises/grade.py fsdp`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
 #
-# 1. 在 4 个进程上先用 `--hsdp 2`、再用 `--hsdp 4` 运行实验：指标中的 `layout` 和 `state_bytes_per_rank` 说明了什么？为什么 `--hsdp 4` 的显存与 DDP 相同？
-# 2. 用 4 个进程、设置 `--vocab-size 66`：embedding 不再能均匀切分。把 `state_bytes_per_rank` 与 `est.estimate_per_rank(None, 4, "zero3", shapes=...)` 对比。
-# 3. 用 `--steps 40` 对比 `--reshard-after-forward false` 与 `true`：比较 `tokens_per_s` 和 `unsharded_param_bytes_after_forward`。在 GPU 上还要比较 `peak_mem_bytes_per_rank`。
-# 4. 用 `--checkpoint-dir ckpt --stop-at-step 20` 中途停下一次 4 进程的运行，再用 2 个进程加 `--resume` 断点续训，并把 loss 与一次未中断的运行对比。
-# 5. 用估算器算一算你自己的模型：`python labs/memory_estimator.py --params 8e9
-#    --world-size 8 --param-bytes 2 --grad-bytes 2 --master-weights`。
+# 下面每道练习都收在[入门练习](../docs/onboarding-exercises.md)里，配有一段自查代码（你的答案必须通过的一段 Python）和一份折叠起来的参考答案。
+#
+# 1. **70B 模型的显存表**：70B 模型在 FSDP 下每个 rank 的状态大小，以及 8B 模型在混合精度下的大小（[入门练习](../docs/onboarding-exercises.md#exercise-21-the-70b-memory-table)中的练习 2.1）。
+# 2. **FSDP 持有的每一个字节**：词表无法均匀切分时，lab02 在 2 个 rank 上测得的带填充分片（[入门练习](../docs/onboarding-exercises.md#exercise-22-every-byte-fsdp-holds)中的练习 2.2）。
+# 3. **不用 torchrun 读取分片检查点**：DCP 检查点里，每个张量的哪一部分由哪个 rank 写入（[入门练习](../docs/onboarding-exercises.md#exercise-23-read-a-sharded-checkpoint-without-torchrun)中的练习 2.3）。
+# 4. **512 张 GPU 上的 HSDP**：`--hsdp` 下每个 rank 的状态大小和副本之间的通信量，以及能装下 70B 模型的最小分片组（[入门练习](../docs/onboarding-exercises.md#exercise-24-hsdp-on-512-gpus)中的练习 2.4）。
 #
 # ## 出问题时
 #

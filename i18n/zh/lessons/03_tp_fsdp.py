@@ -43,13 +43,14 @@ sys.path.insert(0, str(ROOT / "labs"))
 
 import lab03_tp_fsdp as lab  # noqa: E402  （可以直接导入：导入时什么都不执行）
 import tp_workers  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
+from labkit.loop import learning_rate  # noqa: E402  （各实验的预热调度）
 from labkit.probes import CommCounter  # noqa: E402
 from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
 # ## 为什么
 #
-# FSDP 对参数、梯度和优化器状态做了分片，但每个 rank 仍然要在自己的微批次上跑完整的层，所以**激活值**并没有被分片。序列一长，激活值就成了显存的大头。张量并行（TP）把每一层的矩阵乘法分到 t 个 rank 上，所以每个 rank 只保存大部分激活值的一个切片；*序列并行*（SP）与 TP 配合使用，还把各个 norm 和残差流沿序列维切开，这部分激活值也随之缩小为 1/t。
+# FSDP 对参数、梯度和优化器状态做了分片，但每个 rank 仍然要在自己的微批次上跑完整的层，所以**激活值**并没有分片。序列一长，激活值就成了显存的大头。张量并行（TP）把每一层的矩阵乘法分到 t 个 rank 上，所以每个 rank 只保存大部分激活值的一个切片；*序列并行*（SP）与 TP 配合使用，还把各个 norm 和残差流沿序列维切开，这部分激活值也随之缩小为 1/t。
 #
 # Korthikanti 等人（arXiv:2205.05198，表 2）统计了一个 Transformer 层为反向传播保存的激活值字节数（激活值为 16 位，不做重计算），记序列长度为 s、微批次大小为 b、隐藏维度为 h、注意力头数为 a、TP 并行度为 t：
 #
@@ -99,7 +100,7 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 # %% [markdown]
 # 每个微批次几十 GB，而且压在每一层的关键路径上：节点内不到十分之一秒，跨节点则要大半秒，每个微批次都是如此。
 #
-# FSDP 的通信量并不更小：t = 8 时，在*每个*微批次的前向中，每个 rank 仍要 all-gather 它那 1/8 的 bf16 权重（70e9 x 2 B / 8，约 17.5 GB），反向中再来一次（梯度累积省不掉这些），每步还要对梯度做一次 reduce-scatter。但层内没有任何计算要等它：当前 block 计算时，下一个 block 的 all-gather 就在进行。TP 的 all-reduce 则夹在同一层的两次矩阵乘法之间，没有什么能把它藏住。因此采用 2D 布局：**节点内用 TP，走高速链路；跨节点用 FSDP。**
+# FSDP 的通信量也不小：t = 8 时，在*每个*微批次的前向中，每个 rank 仍要 all-gather 它的 TP 切片，即 bf16 权重的 1/8（70e9 x 2 B / 8，约 17.5 GB），反向中再来一次（梯度累积省不掉这些），每步还要对梯度做一次 reduce-scatter。但层内没有任何计算要等它：当前 block 计算时，下一个 block 的 all-gather 可以同时进行（在 GPU 上走单独的 stream；第 06 课会用 trace 展示）。TP 的 all-reduce 则夹在同一层的两次矩阵乘法之间，没有任何办法把它藏住。所以要用 2D 布局：**节点内用 TP，走高速链路；跨节点用 FSDP。**
 #
 # ## 从零开始：先列并行，再行并行
 #
@@ -171,7 +172,7 @@ assert all(local == replicated[0] for local in replicated)  # 每个 rank 都持
 # %% [markdown]
 # ## 使用 PyTorch：实验中的计划
 #
-# `labs/lab03_tp_fsdp.py` **逐个 Transformer block**应用 Megatron 计划，键名相对于 block 本身；之后再单独处理嵌入层和输出投影。下面是实验构建出的计划（分别为不带和带序列并行）：
+# `labs/lab03_tp_fsdp.py` **逐个 Transformer block**应用 Megatron 计划，计划里的键都相对于 block 来写；嵌入层和输出投影之后再单独处理。下面是实验构建出的计划（分别为不带和带序列并行）：
 
 # %%
 cfg = lab.parse_config(["--tp", "1"])
@@ -190,8 +191,9 @@ for key, style in lab.root_plan(cfg).items():
 #
 # - **注意力头。** 对 `wq/wk/wv` 使用 `ColwiseParallel` 后，每个 rank 分到 `num_heads / tp` 个头。实验中的 `Attention` 根据投影宽度推断头数（`view(bsz, seq, -1,
 #   head_dim)`），所以不用改任何模块属性；`inspect_tp_fsdp` 会断言本地宽度。
-# - 在 `attention` 和 `feed_forward` 上使用 **`PrepareModuleInput(..., use_local_output=False)`**：三个投影共享同一个 DTensor 输入，反向时先把它们的输入梯度相加，只做**一次** all-reduce（Megatron 的 `f`），而不是每个投影各做一次。
+# - 在 `attention` 和 `feed_forward` 上使用 **`PrepareModuleInput(..., use_local_output=False)`**：`PrepareModuleInput` 把模块的输入转成 DTensor，布局按计划的要求来；`use_local_output=False` 让模块拿到的就是这个 DTensor，而不是它的本地张量。于是三个投影共享同一个 DTensor 输入，反向时它们的输入梯度以 DTensor 的形式相加，all-reduce（Megatron 的 `f`）只做**一次**，而不是每个投影各做一次。
 # - **序列并行。** block 与 block 之间的激活值是 `Shard(1)`（按序列维切分）；归一化层只处理本地的 token；进入注意力/MLP 时做 all-gather，离开时做 reduce-scatter。
+# - **损失并行。** 不开它，输出投影会在每个 TP rank 上把完整的 logits（batch x seq x vocab）gather 回来再算损失。开了 `--loss-parallel`，logits 按词表保持分片（`Shard(-1)`），由 `loss_parallel()` 直接在分片上算交叉熵：各 rank 之间只对每个 token 的几个数做 all-reduce（最大值、指数和、目标 token 的 logit），logits 本身从不传输。
 # - **顺序。** 先应用 TP，再在 `"dp"` 子网格上对每个 block 和根模块调用 `fully_shard`。
 #
 # 在 (2, 2) 网格上，每个权重最终都带有 2D 放置方式。分片后的参数（优化器实际更新的对象）分布在全部四个 rank 上；FSDP 沿 `"dp"` 做完 all-gather（`unshard()`）之后，矩阵乘法看到的是 tp 本地切片：
@@ -229,46 +231,45 @@ assert "Cannot distribute a DTensor" in mistakes["fsdp_then_tp"]
 assert "Mesh should not be bigger than default world size" in mistakes["mesh_too_big"]
 
 # %% [markdown]
-# - 计划中的键匹配不到任何模块时，**只会触发一条警告**：`wq` 在每个 rank 上仍是一个普通的完整张量。实验中的 `check_plan_keys` 会把这种情况变成一个指明该键的 `ValueError`。
+# - 计划中的键匹配不到任何模块时，**只会触发一条警告**：`wq` 在每个 rank 上仍是一个普通的完整张量。实验中的 `check_plan_keys` 会在这种情况下抛出 `ValueError`，并指明是哪个键。
 # - 先应用 FSDP 会失败：`fully_shard` 已经把权重变成了 `"dp"` 网格上的 DTensor，TP 无法再把它们重新分布到 `"tp"` 上。
 # - 网格大于 world size 会报错；小于 world size 却**不会**：rank 2 和 3 拿到的坐标是 `None`。它们不在网格里，要么一直闲置，要么让第一个需要它们参与的集合通信卡死。
 #
 # ## 运行实验
 #
-# 四个 rank，三种网格形状 (dp, tp) = (4, 1)、(2, 2)、(1, 4)，每种分别不带和带序列并行。每次运行都让每个 rank 的微批次保持为 4 条序列（`--batch-size 4 x dp`），这样对比结果只反映 TP 切分掉的那部分。
+# 四个 rank，三种网格形状 (dp, tp) = (4, 1)、(2, 2)、(1, 4)，每种分别不带和带序列并行。每次运行都让每个 rank 的微批次保持为 4 条序列（`--batch-size 4 x dp`），这样比出来的差别只来自 TP 切分掉的那部分。
 #
 # `--check-parity` 在单个进程中用相同的 batch 训练，并以 fp32 逐一比较每个参数（误差在 1e-5 以内，见下文）；`--count-comms` 用 `CommDebugMode` 测量第 1 步，并统计 autograd 为反向保存的字节数。
 #
 # <details><summary>这几次运行是怎么启动的</summary>
 #
-# 第一次运行启动的是真正的 torchrun，和你自己运行时一样；其余几次的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`）：每个 rank 的环境相同，在 2 核笔记本上每次约省 10 s 启动时间。
+# 这些运行的 rank 都从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`），每个 rank 拿到的环境变量和 torchrun 给的一样：效果等同于 `run_lab` 文档字符串里的那条 `torchrun` 命令，在 2 核笔记本上每次约省 10 s 启动时间。
 # </details>
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson03-"))
 
 
-def run_lab(nproc, *args, torchrun=False):
-    """torchrun --standalone --nproc-per-node nproc labs/lab03_tp_fsdp.py ARGS: real torchrun
-    with torchrun=True, else ranks forked as torchrun would start them (spawn.launch_lab)."""
+def run_lab(nproc, *args):
+    """torchrun --standalone --nproc-per-node nproc labs/lab03_tp_fsdp.py ARGS, with the ranks
+    forked as torchrun would start them (spawn.launch_lab)."""
     out = workdir / f"run-{len(list(workdir.iterdir()))}.json"
-    return launch_lab(ROOT / "labs" / "lab03_tp_fsdp.py", nproc, args, out, torchrun=torchrun)
+    return launch_lab(ROOT / "labs" / "lab03_tp_fsdp.py", nproc, args, out)
 
 
 runs = {}
 for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
     dp = 4 // tp
     runs[tp, sp] = run_lab(4, "--tp", tp, "--batch-size", 4 * dp, "--steps", 2, "--check-parity",
-                           "--count-comms", *(["--sequence-parallel"] if sp else []),
-                           torchrun=(tp, sp) == (1, False))  # 第一次照你平时的方式运行
+                           "--count-comms", *(["--sequence-parallel"] if sp else []))
 assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
 
 # %% [markdown]
-# 在每种网格上，fp32 一致性都在 1e-5 以内。这并不是理所当然的，下一节说明原因。
+# 在每种网格上，fp32 一致性都在 1e-5 以内。这并非理所当然，原因见下一节。
 #
 # ### fp32 一致性为什么需要预热：AdamW 的第一步
 #
-# 本课程只在这里讲这个效应。任何并行运行的求和顺序都和单进程不同（TP 的半和、3 个 rank 上的 all-reduce），所以 fp32 结果的最后几位会不同，约为 1e-7。AdamW 的第一步会把它放大成一整步：这一步是 `lr * g / (|g| + eps)`，其中 eps = 1e-8；只要分量远大于 eps，不管它多大，这一步都约等于 `lr * sign(g)`。下面实测单个权重上的一次 AdamW 更新：
+# 整门课程只在这里讲这个效应。任何并行运行的求和顺序都和单进程不同（TP 的半和、3 个 rank 上的 all-reduce），所以 fp32 结果的最后几位会不同，约为 1e-7。AdamW 的第一步会把它放大成一整步：这一步是 `lr * g / (|g| + eps)`，其中 eps = 1e-8；只要分量远大于 eps，不管它多大，这一步都约等于 `lr * sign(g)`。下面实测单个权重上的一次 AdamW 更新：
 
 # %%
 def first_adamw_step(grad, lr=3e-3):
@@ -286,7 +287,33 @@ assert abs(first_adamw_step(1e-8) - 1.5e-3) < 1e-5      # g = eps：半步
 assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # 远小于 eps：与 g 成正比
 
 # %% [markdown]
-# 所以一个 1e-7 的分量（可能只是舍入噪声）会让对应权重移动将近一整步，换一种求和顺序就可能翻转它的符号。各实验让学习率从 0 开始预热（`--warmup-steps 5`，大多数 Transformer 训练配方都这么做）：第 1 步只用来填充 AdamW 的矩估计，从第 2 步起，单个噪声值不再起决定作用。在网格 (1, 2) 上各跑 3 步，比较有无预热、fp32 与 float64：
+# 所以一个 1e-7 的分量（可能只是舍入噪声）会让对应权重移动将近一整步，换一种求和顺序就可能翻转它的符号。各实验让学习率从 0 开始预热（`--warmup-steps 5`，大多数 Transformer 训练配方都这么做，实现在 `labkit.loop.learning_rate`）：第 1 步的学习率为 0，只用来填充 AdamW 的矩估计。设想一个权重：它第 1 步的梯度是舍入噪声，在一种求和顺序下是 +1e-7，换一种是 -1e-7；第 2 步的梯度才是真实的：
+
+# %%
+def adamw_steps(grads, lrs):
+    """One weight after AdamW steps with these gradients and learning rates."""
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.AdamW([weight], lr=lrs[0], weight_decay=0.0)
+    for grad, lr in zip(grads, lrs):
+        optimizer.param_groups[0]["lr"] = lr
+        weight.grad = torch.tensor([grad])
+        optimizer.step()
+    return weight.item()
+
+
+default = lab.parse_config([])
+schedules = {"no warmup": [default.lr] * 2,
+             "warmup": [learning_rate(default, step) for step in (1, 2)]}
+apart = {}
+for name, lrs in schedules.items():
+    one_order, other_order = (adamw_steps((noise, 1e-2), lrs) for noise in (1e-7, -1e-7))
+    apart[name] = abs(one_order - other_order)
+    print(f"{name:9s} (lr {lrs[0]:.1e}, then {lrs[1]:.1e}): after 2 steps {one_order:+.3e} "
+          f"and {other_order:+.3e}, {apart[name]:.1e} apart")
+assert apart["no warmup"] > 1.5 * default.lr and apart["warmup"] < 1e-6
+
+# %% [markdown]
+# 不预热时，噪声的符号在第 1 步就让两份副本相距 2 lr，第 2 步几乎缩小不了这个差距。预热时，第 1 步什么都不动；第 2 步除以两步梯度的 RMS，而它由真实梯度主导，两份副本始终贴在一起。下面换成实验本身，在网格 (1, 2) 上各跑 3 步，比较有无预热、fp32 与 float64：
 
 # %%
 no_warmup = ["--tp", 2, "--steps", 3, "--check-parity", "--parity-tol", "1e-2",
@@ -304,7 +331,7 @@ gaps = [m["parity_max_abs_diff"] for m in parity_runs.values()]
 assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
 
 # %% [markdown]
-# 不预热时，有少数参数相差约 1e-4，而损失值一致；换成 float64，同一个程序一致到约 1e-13，所以 fp32 下的差距是被 AdamW 放大的舍入误差，不是 bug。加上预热后，fp32 一致性回到约 1e-7。当你自己的一致性检查只差一点没通过时，用 `--parity-dtype float64` 来判断：两种 dtype 下都有差距，是 bug；只在 fp32 下有差距，是舍入误差。
+# 不预热时，有少数参数相差约 1e-4，而损失值一致；换成 float64，同一个程序一致到约 1e-13，所以 fp32 下的差距是 AdamW 放大了的舍入误差，不是 bug。加上预热后，fp32 一致性回到约 1e-7。你自己的一致性检查如果只差一点没通过，用 `--parity-dtype float64` 来判断：两种 dtype 下都有差距，是 bug；只在 fp32 下有差距，是舍入误差。
 #
 # ### 每个 rank 的显存占用与 tp 的关系
 #
@@ -331,11 +358,11 @@ assert max(params) < 1.01 * min(params)  # 2D 分片：每种设备网格形状�
 assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < acts[2]
 
 # %% [markdown]
-# 不论网格形状如何，参数和优化器状态都分布在全部四个 rank 上，所以曲线是平的（唯一的微小例外是归一化层权重：不用 SP 时，它们在 tp 维度上是复制的）。保存的激活值随 tp 增大而减少，启用序列并行后减少得更多，因为序列并行还切分了归一化层和残差流。
+# 不论网格形状如何，参数和优化器状态都分布在全部四个 rank 上，所以曲线是平的（唯一的微小例外是归一化层权重：不用 SP 时，它们在 tp 轴上是复制的）。保存的激活值随 tp 增大而减少，启用序列并行后减少得更多，因为序列并行还切分了归一化层和残差流。
 #
 # ### 每步通信量与 tp 的关系
 #
-# tp 增大时，FSDP 的通信量减少，TP 的通信量出现：与激活值同样大，而且每一层都有。`CommDebugMode` 会记下每个集合通信的名字。TP 的集合通信来自 DTensor（`c10d_functional.*`），FSDP 的来自 `fully_shard`（`c10d.*`），所以一步的通信量可以干净地拆开。
+# tp 增大时，FSDP 的通信量减少，TP 的通信量出现：与激活值同样大，而且每一层都有。`CommDebugMode` 会记下每个集合通信的名字。TP 的集合通信来自 DTensor（`c10d_functional.*`），FSDP 的来自 `fully_shard`（`c10d.*`），所以一步的通信量能清清楚楚地分成两部分。
 #
 # 实验工具包（`labs/labkit/probes.py`）中的 `CommCounter` 按第 00 课的环形系数统计每个 rank *发送*的字节数：对 n 个 rank 的组和 S 字节的完整张量，all-reduce 发送 2 (n-1)/n x S，all-gather 或 reduce-scatter 发送 (n-1)/n x S。（如果改为统计“集合通信经手的张量”，就会混用两种口径：DTensor 的函数式 all-gather 只看到本地分片，而 FSDP 的 all-gather 看到的是聚合后的输出。）
 
@@ -385,7 +412,7 @@ assert tp_only(runs[2, True]["comm_counts_block0"]["backward"]) == {
     "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
 
 # %% [markdown]
-# 一次 all-reduce 的开销等于一次 reduce-scatter 加一次 all-gather（环形 all-reduce 本来就是这样实现的：2 (n-1)/n = (n-1)/n + (n-1)/n），所以序列并行发送的字节数与普通 TP 相同，却把普通 TP 保留为完整的激活值也分片了。
+# 一次 all-reduce 的开销等于一次 reduce-scatter 加一次 all-gather（环形 all-reduce 本来就是这样实现的：2 (n-1)/n = (n-1)/n + (n-1)/n），所以序列并行发送的字节数与普通 TP 相同，却把普通 TP 整份保留的那些激活值也分片了。
 #
 # 实测下来，每步、每个 rank 上唯一的区别，是 SP 额外对每个归一化层的权重梯度做的 all-reduce（这里有 5 个归一化层，每个 64 个 fp32 值；一般为 `2 x num_layers + 1` 个）：
 
@@ -406,7 +433,7 @@ for t in (2, 4):
 #
 # 8 个节点 x 8 块 GPU = 64 个 rank，tp = 4。网格必须覆盖每一个 rank：dp = 64 / 4 = 16，所以写成 `init_device_mesh("cuda", (16, 4), mesh_dim_names=("dp", "tp"))`（实验用 `init_mesh` 构建同样的布局，它还会给每个轴都设上作业的超时时间）。
 #
-# 常见的错误是写成 `(8, 4)`：那只有 32 个 rank。网格大于 world size 会报错（见上文）；小于 world size 则会悄无声息地把一部分 rank 排除在外。
+# 常见的错误是写成 `(8, 4)`：那只有 32 个 rank。网格大于 world size 会报错（见上文）；小于 world size 则会不声不响地把一部分 rank 晾在外面。
 #
 # 把 `"tp"` 放在最后一个轴，每个 TP 组就是 4 个连续的 rank；而 torchrun 给同一节点上的 rank 连续编号，所以 TP 永远不会跨节点：
 
@@ -430,19 +457,17 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp 组跨越�
 # - TP 把一个 block 里的每个矩阵乘法切分到 TP 组的各个 rank 上：权重*和*激活值都会变小，代价是每一层内部都有集合通信，所以要把 TP 放在节点内的高速链路上。
 # - 先列并行再行并行，每半个 block 在前向和反向各需要一次 all-reduce；序列并行把每次 all-reduce 变成一对 all-gather / reduce-scatter，同时还切分了归一化层和残差流。
 # - 构建顺序：先建 2D 网格 `("dp", "tp")`，在 `mesh["tp"]` 上逐个 block 调用 `parallelize_module`，然后在 `mesh["dp"]` 上对每个 block 和根模块调用 `fully_shard`。一定要校验计划中的键：拼写错误只会触发警告。
-# - DCP 检查点是分片保存的，并带有全局偏移量：实验的测试会把 (2, 2) 上保存的检查点放到 (4, 1) 和 (1, 2) 上断点续训。
-# - TP 在数学上是精确的，但不是逐位一致的。AdamW 的第一步会让每个梯度远大于 eps 的权重移动约 `lr * sign(grad)`，所以要让学习率从 0 开始预热；这样 fp32 一致性可以保持在 ~1e-7。`--parity-dtype float64` 可以区分 bug 与舍入误差。
+# - TP 在数学上是精确的，但不是逐位一致的。AdamW 的第一步会让每个梯度远大于 eps 的权重移动约 `lr * sign(grad)`，所以要让学习率从 0 开始预热：这样第 1 步什么都不动，fp32 一致性回到约 1e-7（断言要求低于 1e-6）。`--parity-dtype float64` 可以区分 bug 与舍入误差。
 #
 # ## 练习
 #
 # - **带评分：** 手写列并行和行并行层，集合通信全部自己写。填写 `exercises/tp.py`，然后运行 `python exercises/grade.py tp`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
 #
-# 1. `--tp`：运行 `torchrun --nproc-per-node 4 labs/lab03_tp_fsdp.py --tp 4 --count-comms`，再用 `--tp 1` 运行，比较 metrics JSON 中的 `comm_wire_bytes_per_step`。
-# 2. `--sequence-parallel` 搭配 `--seq-len 30 --tp 4`：读一读报错信息，然后改正 `--seq-len`。
-# 3. `--loss-parallel`：比较启用和不启用它时 `all_gather_into_tensor` 的字节数。哪个张量不再需要 all-gather 了？
-# 4. `--num-heads 2 --tp 4`：实验为什么拒绝运行？如果一个注意力头被拆到多个 rank 上，会发生什么？
-# 5. 复制一份实验代码，把 `block_plan` 里的 `"attention.wq"` 改名为 `"attention.q"` 后运行：是哪一行拦住了你？如果只靠 PyTorch 本身，又会怎样？
-# 6. `--warmup-steps 0 --parity-tol 1e-2 --check-parity`：最大参数差异如何随 `--steps` 变化？差异集中在哪些参数上，它们在第 1 步的梯度有多小？再试试 `--warmup-steps 1`：现在第 1 步做了什么？
+# 下面每道练习都收在[入门练习](../docs/onboarding-exercises.md)里，配有一段自查代码（你的答案必须通过的一段 Python）和一份折叠起来的参考答案。
+#
+# 1. **规划集群布局**：64 张 GPU、TP 为 4 时的 `(dp, tp)` 设备网格，以及某个 rank 在其中所属的组（[入门练习](../docs/onboarding-exercises.md#exercise-31-lay-out-a-cluster)中的练习 3.1）。
+# 2. **手写列并行 + 行并行**：张量并行 MLP 的各个部分和，以及把它们合起来的那一次集合通信（[入门练习](../docs/onboarding-exercises.md#exercise-32-column-parallel-then-row-parallel-by-hand)中的练习 3.2）。
+# 3. **损失并行省下了什么**：logits 的 all-gather 要发送多少字节，以及 `--loss-parallel` 改为发送什么（[入门练习](../docs/onboarding-exercises.md#exercise-33-what-loss-parallel-saves)中的练习 3.3）。
 #
 # ## 出问题时
 #

@@ -258,24 +258,23 @@ for rank in range(4):  # pp 0 上的 rank；rank + 4 持有同一 (dp, tp) 位�
 #
 # <details><summary>这几次运行是怎么启动的</summary>
 #
-# 第一次运行启动的是真正的 torchrun，和你自己运行时一样；后面三段的 rank 从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`），在 2 核笔记本上，8 个 rank 每次约省 20 s 启动时间。
+# 这些运行的 rank 都从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`），每个 rank 拿到的环境变量和 torchrun 给的一样：效果等同于 `run_lab` 文档字符串里的那条 `torchrun` 命令，在 2 核笔记本上，8 个 rank 每次约省 20 s 启动时间。
 # </details>
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="lesson05-"))
 
 
-def run_lab(nproc, *args, torchrun=False):
-    """torchrun --standalone --nproc-per-node nproc labs/lab05_3d.py ARGS: real torchrun with
-    torchrun=True, else ranks forked as torchrun would start them (spawn.launch_lab)."""
+def run_lab(nproc, *args):
+    """torchrun --standalone --nproc-per-node nproc labs/lab05_3d.py ARGS, with the ranks
+    forked as torchrun would start them (spawn.launch_lab)."""
     metrics_path = workdir / f"metrics-{len(list(workdir.glob('metrics-*')))}.json"
-    return launch_lab(ROOT / "labs" / "lab05_3d.py", nproc, args, metrics_path,
-                      torchrun=torchrun)
+    return launch_lab(ROOT / "labs" / "lab05_3d.py", nproc, args, metrics_path)
 
 
 ckpt = workdir / "checkpoints"
 common = ["--steps", 12, "--log-every", 1, "--check-parity"]
-straight = run_lab(8, *common, torchrun=True)  # 照平时的方式运行；续训的几段 fork 出 rank
+straight = run_lab(8, *common)
 legs = [run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 4),
         run_lab(8, *common, "--checkpoint-dir", ckpt, "--stop-at-step", 8,
                 "--pp", 1, "--dp", 2, "--tp", 4),
@@ -338,11 +337,10 @@ plt.show()
 #
 # ## 练习
 #
-# 1. **换一种布局来计数。** 用 `["--pp", "4", "--dp", "1", "--tp",
-#    "2"]` 重新运行记录器（4 个阶段，每个阶段 1 个 block）。先预测：中间阶段 send 和 receive 各 `2 m` 次；dp 为 1 时，FSDP 完全不发起集合通信（只有一个 rank 的组会被它跳过；[入门练习](../docs/onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage)中的练习 5.1 会在每个 rank 上检查这一点）。
-# 2. **交错调度。** `torchrun --nproc-per-node 8 labs/lab05_3d.py --pp 2 --schedule
-#    Interleaved1F1B --dp 2 --tp 2 --check-parity`：2 个 pp rank 上共 4 个阶段。公式里哪些次数会翻倍？
-# 3. **规划你的集群。** 用 `--plan --model 70b --gpu H100-80GB --activation-checkpointing` 找出能让方案放得下的最小 `--nproc`（32 的倍数，配合 `--pp 4 --tp 8`），然后试试 `--pp 8`（64 的倍数），比较激活值那一行。自查：dp 并行度等于 `nproc / (pp x tp)`，即 pp 4 x tp 8 时为 `nproc / 32`，pp 8 x tp 8 时为 `nproc / 64`。
+# 下面每道练习都收在[入门练习](../docs/onboarding-exercises.md)里，配有一段自查代码（你的答案必须通过的一段 Python）和一份折叠起来的参考答案。
+#
+# 1. **数清每个阶段一步里的集合通信**：4 个阶段的一步中每个 rank 发起的每一次集合通信，与录下的真实一步对照（[入门练习](../docs/onboarding-exercises.md#exercise-51-count-a-steps-collectives-on-every-stage)中的练习 5.1）。
+# 2. **70B 训练所需的最小集群**：lab05 的 `--plan` 能在 H100 上装下 70B 模型的最小 `--nproc`，以及不重算时的结论（[入门练习](../docs/onboarding-exercises.md#exercise-52-the-smallest-cluster-for-a-70b-run)中的练习 5.2）。
 #
 # ## 出问题时
 #

@@ -37,11 +37,12 @@
 #
 # <details><summary>本课如何启动各个实验</summary>
 #
-# 下面大多数实验的启动方式与 `torchrun --standalone --nproc-per-node 2` 相同，每个 rank 的环境变量也和 torchrun 设置的一样，只是每个 rank 都从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`）：在 2 核机器上，每次全新启动 torchrun，三个进程各自导入 torch 就要花掉约 10 s。流水线气泡的几次运行，以及 `perf_model.py --check` 内部的通信基准测试，用的是真正的 torchrun，和你自己运行时一样。
+# 下面各个实验的启动方式与 `torchrun --standalone --nproc-per-node 2` 相同，每个 rank 的环境变量也和 torchrun 设置的一样，只是每个 rank 都从一个已经导入过 torch 的服务进程 fork 出来（`lessons/spawn.py` 中的 `launch_lab`）：在 2 核机器上，每次全新启动 torchrun，三个进程各自导入 torch 就要花掉约 10 s。只有 `perf_model.py --check` 内部的通信基准测试启动的是真正的 torchrun。
 # </details>
 
 # %%
 import argparse
+import inspect
 import json
 import math
 import os
@@ -70,19 +71,18 @@ workdir = Path(tempfile.mkdtemp(prefix="lesson06-"))
 env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_lab(script, nproc, *args, metrics_path=None, torchrun=False, extra_env=None):
-    """`torchrun --standalone --nproc-per-node nproc labs/script ARGS --metrics-out PATH`.
-    By default the ranks fork from spawn.py's server, which has imported torch once
+def run_lab(script, nproc, *args, metrics_path=None, extra_env=None):
+    """`torchrun --standalone --nproc-per-node nproc labs/script ARGS --metrics-out PATH`,
+    with the ranks forked from spawn.py's server, which has imported torch once
     (spawn.launch_lab): the same environment per rank, about 10 s less start-up per run.
-    torchrun=True starts real torchrun; extra_env adds variables. Returns the lab's metrics."""
+    extra_env adds variables. Returns the lab's metrics."""
     metrics_path = metrics_path or workdir / f"metrics-{len(list(workdir.iterdir()))}.json"
-    return launch_lab(ROOT / "labs" / script, nproc, args, metrics_path, torchrun=torchrun,
-                      env=extra_env)
+    return launch_lab(ROOT / "labs" / script, nproc, args, metrics_path, env=extra_env)
 
 # %% [markdown]
 # ## 1. 计算：一步用到了多少峰值
 #
-# **MFU**（model FLOPs utilisation，模型 FLOPs 利用率）是模型本身的运算达到芯片峰值的比例：`flops_per_token` x 每秒 token 数 / 峰值。这是第一个要看的数。MFU 低，说明一步的时间花在了开销上（Python、dispatcher、发起 kernel 和集合通信），而无论怎样把模型切到多个 rank 上，都消除不了这部分开销。
+# **MFU**（model FLOPs utilisation，模型 FLOPs 利用率）是模型本身的运算达到芯片峰值的比例：`flops_per_token` x 每秒 token 数 / 峰值。其中 `flops_per_token`（在 `labs/labkit/model.py` 中）统计训练一个 token 的矩阵乘法运算量：每个权重 6 次 FLOP（前向 2 次，反向 4 次），再加上注意力在整个序列上的两次矩阵乘法。这是第一个要看的数。MFU 低，说明一步的时间花在了开销上（Python、dispatcher、发起 kernel 和集合通信），而无论怎样把模型切到多个 rank 上，都消除不了这部分开销。
 #
 # CPU 核的峰值在数据手册上查不到，只能自己测：一个 512 x 512 的 fp32 矩阵乘法，分五轮、每轮重复 0.2 s，取最快的一轮（被打断的一轮只会偏低，不会偏高），`labs/perf_model.py` 也是这样测的。然后在单进程里把实验模型按六种宽度各跑一遍计时。
 
@@ -164,9 +164,8 @@ print(f"cores: {os.cpu_count()}; a 4-rank run gives each rank {os.cpu_count() / 
 # 一步中有一部分不是矩阵乘法：各种 norm、softmax、SwiGLU 的乘积、RoPE 和 loss，每一个都要把数据从内存里过一遍。`torch.compile` 把这类算子融合成更少的 kernel。lab02 的 `--compile` 在分片之前用 inductor 编译每个 block（即 torchtitan 的逐 block 编译）。下面在宽度 1024 下，用两个 rank 对比 eager 和编译后的版本；编译本身发生在第一步，单独报告。
 
 # %%
-# perf_model 在宽度 1024 时的设置：同步点在第 1、5、6 步，所以第一步（含编译）单独成为
-# 一个窗口，吞吐量取第 2 到 6 步。eager 运行的结果存到步耗时模型的
-# `perf_model.py --check --reuse` 能找到的位置。
+# 第 4 节步耗时模型在宽度 1024 时的设置，它会复用这次 eager 运行的结果。第一步（编译就
+# 发生在这一步）单独计时，不算进吞吐量。
 WIDE = perf_model.case_args(1024)
 eager = run_lab("lab02_fsdp.py", 2, *WIDE,
               metrics_path=perf_model.case_file(workdir, "lab02_fsdp", 1024))
@@ -188,7 +187,7 @@ print(f"compiled / eager throughput: {compiled['tokens_per_s'] / eager['tokens_p
 # %% [markdown]
 # ## 2. 通信：藏在计算后面，还是暴露在外
 #
-# 如果集合通信传输数据时计算还在进行，它就不占用一步的时间；如果计算停下来等它，它的耗时就全部算进这一步。DDP 在反向填满一个梯度桶后立即对它做 all-reduce，同时反向继续计算更靠前的层；FSDP2 在当前 block 计算时就 gather 下一个 block 的权重。重叠到底有没有发生，要看 trace（性能轨迹）。
+# 如果集合通信传输数据时计算还在进行，它就不占用一步的时间；如果计算停下来等它，它的耗时就全部算进这一步。DDP 在反向填满一个梯度桶后立即对它做 all-reduce，同时反向继续计算更靠前的层；FSDP2 在 GPU 上把 all-gather 放在单独的 stream 上，与计算 stream 并行执行。重叠到底有没有发生，要看 trace（性能轨迹）。
 #
 # 下面的单元格在两个 rank 上 profile 一步（实验模型，宽度 512，4 个 block），记录训练线程上的算子，以及 gloo 的集合通信（它们运行在 gloo 自己的线程上）。单元格断言的是训练线程发起集合通信的顺序，这是每种机制都能保证的；gloo 的时间有多少落在计算期间则只打印，因为机器一忙它就会变。
 
@@ -216,6 +215,7 @@ def overlap_share(events):
     return both / total, total
 
 
+print(inspect.getsource(perf_workers.build))  # 三种策略，包括 fsdp-async
 STRATEGIES = ("ddp", "fsdp", "fsdp-async")
 per_rank = run_workers(perf_workers.profiled_steps, 2, STRATEGIES, 512, timeout_s=120)
 traces = {strategy: [rank[strategy] for rank in per_rank] for strategy in STRATEGIES}
@@ -308,7 +308,7 @@ assert by_name["c10d::_reduce_scatter_base_"] == 2 * 3 and by_name["aten::mm"] >
 # %%
 HEAVY = ["--dim", "512", "--num-heads", "8", "--seq-len", "128", "--num-layers", "4",
          "--microbatches", "4", "--batch-size", "16", "--steps", "8", "--log-every", "4"]
-heavy_runs = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name, torchrun=True)
+heavy_runs = {name: run_lab("lab04_pipeline.py", 2, *HEAVY, "--schedule", name)
               for name in ("GPipe", "1F1B", "Interleaved1F1B")}
 bubbles = {name: m["bubble"] for name, m in heavy_runs.items()}
 
@@ -375,7 +375,7 @@ for name in ("GPipe", "1F1B"):
 #
 # 两个 rank 跑的是两个完全相同的 block，但两个核的实际速度并不一样。在这台 VM 上的运行中，某个 rank 的核在整次运行里比另一个慢多达 21%：hypervisor 从每个虚拟核拿走的份额不同（合计占这台 VM 10% 到 15% 的 CPU 时间，即 vmstat 的 `st` 列）。编写本课时的一次运行里，rank 1 慢了 21%：按这两个阶段的耗时算出的公式是 0.242，那一步实测 0.238，而等耗时公式是 0.200。
 #
-# 这几次运行用的是真正的 torchrun，也就是最初验证这项检查时用的启动器。用 fork 出的 rank 测得的结果在噪声范围内相同：相对于按各阶段耗时算出的公式，GPipe 的中位步用 fork 的 rank 时为 +3% 到 +13%，用 torchrun 时为 -2% 到 +9%（2026-12-03，分别运行 3 次和 4 次）。
+# 这几次运行和本课其他运行一样，rank 都是 fork 出来的。换成真正的 torchrun，测得的结果在噪声范围内相同：相对于按各阶段耗时算出的公式，GPipe 的中位步用 fork 的 rank 时为 +3% 到 +13%，用 torchrun 时为 -2% 到 +9%（2026-12-03，分别运行 3 次和 4 次）。
 # </details>
 
 # %% [markdown]
@@ -384,7 +384,7 @@ for name in ("GPipe", "1F1B"):
 # `labs/perf_model.py` 把第 1 到 3 节测到的东西加在一起，让你在运行之前就能做出预测。它有三项：
 #
 # - 计算：这一步的 FLOPs，按实测的矩阵乘法峰值折算成时间；
-# - 优化器：梯度裁剪和 AdamW 每步要读写参数大小的 fp32 张量 22 遍（计数见 `perf_model.py`），按 `comm_bench` 测得的内存带宽计时；
+# - 优化器：梯度裁剪和 AdamW 每步要读写参数大小的 fp32 张量 22 遍（梯度裁剪 3 遍：为算范数读一遍，缩放时读写各一遍；AdamW 的更新 19 遍，在 `perf_model.OPTIMIZER_PASSES` 中逐个操作计数），按 `comm_bench` 测得的内存带宽计时；
 # - 该策略发起的每一次集合通信，耗时用第 00 课的 `t = a + b S` 拟合（延迟加上字节数除以带宽），拟合来自 `labs/comm_bench.py`。
 #
 # 在 gloo 上，集合通信和计算挤在同样两个核上，所以模型把它们相加（“exposed” 估计）；如果像 GPU 那样有自己的引擎，就取计算和通信中较大的一个（“overlapped” 估计）。本课程对这个模型定的目标是：在计算占主导时（宽度 1024 的 lab01），实测的一步比预测高出不超过 35%。`--check` 先测量这台机器，再在 2 个 rank 上、宽度 256 和 1024 下运行 lab01（DDP）和 lab02（FSDP），并打印每个配置的实测与预测之比。
@@ -473,16 +473,17 @@ assert round(published["FSDP"] * flop_per_token / 989e12, 2) == 0.34
 #
 # 按重要程度排列：
 #
-# 1. **计算效率。** MFU = 每 token 的 FLOPs x 每秒 token 数 / 峰值。在单个 CPU 线程上，它从宽度 32 时的约 5% 升到宽度 1024 时的 40% 以上：实验的调试模型受限于开销。一次公开的 8B H100 训练达到 34%。`torch.compile` 融合非矩阵乘法的运算：在这台 CPU 上收益很小，在那次公开的 GPU 训练中是 +16%。
+# 1. **计算效率。** MFU = 每 token 的 FLOPs x 每秒 token 数 / 峰值。在单个 CPU 线程上，它随宽度上升（断言：宽度 1024 时高于实测矩阵乘法峰值的 30%，且高于调试模型的 1.5 倍；这次运行的具体数字见扫描的输出）：实验的调试模型主要耗在开销上。一次公开的 8B H100 训练达到数据手册峰值的 34%，这个基准比实测峰值更高。`torch.compile` 融合非矩阵乘法的运算：在这台 CPU 上收益很小，在那次公开的 GPU 训练中是 +16%。
 # 2. **暴露在外的通信。** 即使在 gloo 上，DDP 的桶 all-reduce 也与反向重叠。FSDP2 的预取靠 CUDA stream 实现重叠，所以在 CPU 上按默认配置会阻塞；异步 all-gather 可以重叠，但每个 rank 只有一个核，没有空闲的引擎可以从中获益。单节点训练 8B 模型时，FSDP 的通信约为计算的八分之一，可以藏住。
 # 3. **气泡。** 各阶段等耗时时，调度的执行顺序恰好空闲 `(p - 1) / (m + p - 1)`（靠重放断言）。每个阶段的计算量够大时，实际耗时测出的气泡落在按各阶段真实耗时算出的公式附近：这一点只打印，在共享的 CPU 上不作保证。
 # 4. **预测。** `labs/perf_model.py` 用实测峰值下的 FLOPs 预测计算，用 `t = a + b S` 拟合预测集合通信。它的定位是下界，在计算占主导时的目标是误差不超过 35%；它差的正是第 1 节测到的那部分：kernel 达不到峰值。
 #
 # ## 练习
 #
-# 1. **手算每 token 的 FLOPs**，以及公开训练的 MFU：[入门练习](../docs/onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu)中的练习 6.1。
-# 2. **FSDP 的通信什么时候藏不住了**：[入门练习](../docs/onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding)中的练习 6.2。
-# 3. **你自己的机器。** 运行 `python labs/perf_model.py --check --dims 256,1024`，对每个配置，看预测中哪一项占主导，以及实测值比它高出多少。先预测：lab01 和 lab02 哪个偏差更大，为什么？
+# 下面每道练习都收在[入门练习](../docs/onboarding-exercises.md)里，配有一段自查代码（你的答案必须通过的一段 Python）和一份折叠起来的参考答案。
+#
+# 1. **每个 token 的 FLOPs，以及一次公开训练的 MFU**：这些实验训练时每个 token 的 FLOPs，以及 torchtitan 的 Llama 3.1 8B 训练的 MFU（[入门练习](../docs/onboarding-exercises.md#exercise-61-flops-per-token-and-a-published-runs-mfu)中的练习 6.1）。
+# 2. **FSDP 的通信什么时候藏不住了**：FSDP 每步通信的秒数，以及 MFU 超过多少时重叠就藏不住这些通信（[入门练习](../docs/onboarding-exercises.md#exercise-62-when-fsdps-traffic-stops-hiding)中的练习 6.2）。
 #
 # ## 出问题时
 #

@@ -59,7 +59,7 @@ torch.set_num_threads(1)  # 与下面的 worker 一样，每个进程只用一�
 #
 # $$o = \frac{\sum_{j\in A} e^{s_j} v_j + \sum_{j\in B} e^{s_j} v_j}{\sum_{j\in A} e^{s_j} + \sum_{j\in B} e^{s_j}}$$
 #
-# 先对每块单独计算：得到它归一化后的输出 $o_A$ 和它的 log-sum-exp $\ell_A = \log \sum_{j\in A} e^{s_j}$。于是 $\sum_{j\in A} e^{s_j} v_j = e^{\ell_A} o_A$；再令 $\ell = \log(e^{\ell_A} + e^{\ell_B})$（即 `torch.logaddexp`），得到：
+# 先对每块单独算出归一化后的输出 $o_A$ 和 log-sum-exp $\ell_A = \log \sum_{j\in A} e^{s_j}$。于是 $\sum_{j\in A} e^{s_j} v_j = e^{\ell_A} o_A$；再令 $\ell = \log(e^{\ell_A} + e^{\ell_B})$（即 `torch.logaddexp`），得到：
 #
 # $$o = e^{\ell_A - \ell}\, o_A + e^{\ell_B - \ell}\, o_B$$
 #
@@ -186,7 +186,7 @@ plt.show()
 # %% [markdown]
 # 数一数块数。连续切分：rank r 计算 r + 1 个 (S/p)² 大小的块（它的对角块整块计算后再加掩码，这里的实现就是如此）。首尾切分：每个 rank 都计算 (r + 1) + (2p - r) = 2p + 1 个 (S/2p)² 大小的块，相当于 (2p + 1)/4 个大块。p = 4 时：连续切分为 1、2、3、4（最忙的 rank 是平均值的 1.6 x）；首尾切分每个 rank 都是 2.25。
 #
-# 环在运行时统计了自己计算的块数，并用每个线程的 CPU 时钟计时（这里 4 个进程共享 2 个核，按实际耗时测，得到的主要是等待 CPU 核的时间）；每个数字都取三次运行中的最小值。
+# 环在运行时统计了自己计算的块数，并用每个线程的 CPU 时钟计时（这里 4 个进程共享 2 个核，按实际耗时测，得到的主要是等待 CPU 核的时间）；每个数字都只来自一次运行。
 
 # %%
 def predicted_blocks(rank, world_size, layout):
@@ -209,7 +209,7 @@ for p, ranks in rings.items():
               f"{[round(c, 3) for c in cpu]}, busiest / mean {max(cpu) / (sum(cpu) / p):.2f}")
 
 # %% [markdown]
-# 环上测得的这些数字每次运行都不一样：这里 4 个进程共享 2 个核，也共享内存带宽，所以一个块的开销取决于其他 rank 同一时刻在跑什么（这里有一次运行中 rank 3 的数字甚至比 rank 2 还低）。要单独看每个 rank 的份额，就把它回放一遍：本进程在单个线程上精确地计算每个 rank 所计算的那些块，各 rank 轮流执行，共五轮，这样机器某一时刻变慢，影响会均匀地落到所有 rank 上。
+# 环上测得的这些数字每次运行都不一样：这里 4 个进程共享 2 个核，也共享内存带宽，所以一个块的开销取决于其他 rank 同一时刻在跑什么（这里有一次运行中 rank 3 的数字甚至比 rank 2 还低）。要单独看每个 rank 的份额，就把它回放一遍：本进程在一个线程上把每个 rank 要算的块原样算一遍，各 rank 轮流执行，共五轮，这样机器某一时刻变慢，影响会均匀地落到所有 rank 上。
 
 # %%
 print(inspect.getsource(cw.rank_blocks_cpu_s))
@@ -258,7 +258,7 @@ assert zig_total < contiguous_total
 # %% [markdown]
 # 对角块的额外开销让每个 rank 都背上同样一份固定开销，这会把比值从 1.6 往 1 拉：用这两个单位开销预测的比值低于 1.6，与回放结果一致。两者都来自共享机器上的计时，所以预测值只是打印在回放结果旁边，而不去断言两者相等。在 GPU 上情况相反，对角块反而更便宜：因果 kernel 会跳过被掩码的那一半，所以在 GPU 上，连续切分的不均衡会增大，趋向 (p - 1/2)/(p/2)，p = 4 时为 1.75。
 #
-# 两种切分的总耗时也不同，尽管它们计算的分数个数大致相同。首尾切分的块只有四分之一大（每个 head 512 x 512 个分数，而不是 1024 x 1024）：在一个块上做的掩码、exp 和 softmax 反向这几遍都是访存受限的，这里在较小的块上，每个元素的开销更低。flash attention 做分块（tiling）也是出于同样的原因。
+# 两种切分的总耗时也不同，尽管它们计算的分数个数大致相同。首尾切分的块只有四分之一大（每个 head 512 x 512 个分数，而不是 1024 x 1024）：对一个块做掩码、exp 和 softmax 反向这几遍都受限于访存，在这台机器上，块越小，每个元素的开销越低。flash attention 做分块（tiling）也是出于同样的原因。
 #
 # torch 的 `context_parallel` 默认使用首尾切分（见 `torch/distributed/tensor/experimental/_context_parallel/_load_balancer.py` 中的 `_HeadTailLoadBalancer`）。
 
@@ -348,7 +348,7 @@ for p, ranks in rings.items():
             assert abs(sent[name] / predicted[name] - 1) < 0.02, (name, sent[name])
 
 # %% [markdown]
-# p = 2 时两者发送的字节数相同；p 更大时，all-to-all 只发送环形的 2/p。所以 Ulysses 适合 all-to-all 快的场合，比如节点内有 NVLink 的情况，而且 p 要能整除注意力头数（8 个头没法切成 16 份；分组查询注意力的 key/value 头更少，上限更低）。p 超出这个范围、跨节点时每个 rank 只和相邻 rank 通信、以及单个块的计算足够长可以掩盖通信时，环形更有优势。大规模训练会把两者结合起来：节点内用 Ulysses，节点间用环形。
+# p = 2 时两者发送的字节数相同；p 更大时，all-to-all 只发送环形的 2/p。所以 Ulysses 适合 all-to-all 快的场合，比如节点内有 NVLink 的情况，而且 p 要能整除注意力头数（8 个头没法切成 16 份；分组查询注意力的 key/value 头更少，上限更低）。以下情况则是环形更有优势：p 超出这个范围；跨节点时，环上每个 rank 只和相邻 rank 通信；单个块的计算时间足够长，能把通信藏住。大规模训练会把两者结合起来：节点内用 Ulysses，节点间用环形。
 
 # %% [markdown]
 # ## 库的做法：torch 中的 context_parallel
@@ -373,7 +373,7 @@ assert not library[0]["ran"], "context_parallel ran on CPU: update this lesson"
 assert "_scaled_dot_product_flash_attention_for_cpu" in library[0]["error"]
 
 # %% [markdown]
-# 所以在这台机器上，库的做法会抛出上面那个 `NotImplementedError` 而失败（DTensor 没有针对这个 CPU kernel 的分片规则），手写的环是唯一能运行的 CP。在 GPU 上，torchtitan 用的正是同一个调用（`--parallelism.context_parallel_degree`）。**仅限 GPU，CI 中不执行**：在 NCCL 上运行 `context_parallel`，需要把 `lessons/context_workers.py` 中的 worker 函数 `try_library_context_parallel` 改为使用 CUDA 网格和 CUDA 张量；它会返回与单进程 SDPA 相比的一致性结果。
+# 所以在这台机器上，走库的路子会失败，抛出上面那个 `NotImplementedError`（DTensor 没有针对这个 CPU kernel 的分片规则），手写的环是唯一能运行的 CP。在 GPU 上，torchtitan 用的正是同一个调用（`--parallelism.context_parallel_degree`）。**仅限 GPU，CI 中不执行**：在 NCCL 上运行 `context_parallel`，需要把 `lessons/context_workers.py` 中的 worker 函数 `try_library_context_parallel` 改为使用 CUDA 网格和 CUDA 张量；它返回的是与单进程 SDPA 对比的一致性。
 
 # %% [markdown]
 # ## 放进完整模型：lab07
@@ -388,7 +388,7 @@ assert "_scaled_dot_product_flash_attention_for_cpu" in library[0]["error"]
 # ## 小结
 #
 # - CP 切分序列：每个 rank 只保存 S/p 个 token 的激活值。注意力是唯一需要其他 rank 数据的层，环把其他 rank 的 key 和 value 送过来。
-# - log-sum-exp 合并能由各部分的结果精确地得到 key 集合并集上的注意力。
+# - 用 log-sum-exp 合并，可以由各部分的结果精确算出对多组 key 合起来的注意力。
 # - 手写的环形注意力（前向和反向）在 p = 2 和 4 时与单进程一致，误差约 1e-6。
 # - 因果掩码加上连续切分，会让最后一个 rank 计算 p 个块，而第一个 rank 只算一个；首尾切分把它们拉平（实测：见上面的最忙 rank / 平均值之比；实测得到的对角块额外开销，解释了为什么连续切分的比值低于块数推算的 1.6）。
 # - 每个 rank 保存的激活值恰好是 1/p（在三种长度下逐字节测量）。
@@ -398,9 +398,10 @@ assert "_scaled_dot_product_flash_attention_for_cpu" in library[0]["error"]
 #
 # - **带评分：** 手写环形注意力。填写 `exercises/ring.py`，然后运行 `python exercises/grade.py ring`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
 #
-# 1. p = 8 时，在连续切分和首尾切分下，每个 rank 分别计算多少个块？用 `block_owner_grid(8, ...)` 验证。
-# 2. 环形注意力的前向传播每层发送 (p-1)/p 的 key 和 value。反向传播发送多少？阅读 `ring_attention_backward`，数一数。
-# 3. 为什么反向传播计算一个块的梯度时不需要其他块？（提示：保存下来的 log-sum-exp 已经知道了什么？）
+# 下面每道练习都收在[入门练习](../docs/onboarding-exercises.md)里，配有一段自查代码（你的答案必须通过的一段 Python）和一份折叠起来的参考答案。
+#
+# 1. **每个 rank 的因果计算量**：连续切分和首尾切分下，每个 rank 计算的注意力块数（[入门练习](../docs/onboarding-exercises.md#exercise-71-the-causal-work-of-each-rank)中的练习 7.1）。
+# 2. **环形通信发送的字节数**：环形注意力的前向和反向中，一个 rank 发送的字节数（[入门练习](../docs/onboarding-exercises.md#exercise-72-the-bytes-a-ring-sends)中的练习 7.2）。
 #
 # ## 出问题时
 #

@@ -52,7 +52,7 @@ torch.set_num_threads(1)
 # %% [markdown]
 # ## 单进程中的 MoE 层
 #
-# 路由器为每个 token 给每个专家打分，保留得分最高的 k 个，并把它们的概率重新归一化为*门控权重*（gate）。每个专家有固定数量的槽位，即它的*容量*：容量因子 x (tokens x k / E)，也就是一个完全均衡的路由器会分给它的份额。超出容量的 token 会被该专家*丢弃*：它们的贡献为零（在 Transformer 中，残差连接仍会把它们传到下一层）。下面是整个层：
+# 路由器为每个 token 给每个专家打分，保留得分最高的 k 个，并把它们的概率重新归一化为*门控权重*（gate）。每个专家有固定数量的槽位，即它的*容量*：容量因子 x (tokens x k / E)，也就是一个完全均衡的路由器会分给它的份额。专家会把超出容量的 token *丢弃*：这些 token 的贡献为零（在 Transformer 中，残差连接仍会把它们传到下一层）。下面是整个层：
 
 # %%
 print(inspect.getsource(mw.route))
@@ -263,14 +263,14 @@ for p, ranks in ep_runs.items():
     assert abs(off) < 0.25
 
 # %% [markdown]
-# 各 rank 的平均值与均匀路由器的公式相差不到 25%（这是上面单元格断言的界限；每行最后一个数字是本次运行的实际偏差）：只有 64 个 token 时，有多少选择恰好落在本 rank 自己的专家上、从而留在本地，每个 rank 都不一样。这个公式是均匀路由器下的期望值；不均匀的路由器也会让平均值偏移，偏高还是偏低，取决于它偏爱的专家放在哪些 rank 上。规模上去之后，这些数字会非常大：按 DeepSeek-V3 的形状（dim 7168，k = 8），一个 token 在每个 MoE 层、每个方向上的分发最多有 8 x 7168 = 57,344 个值，这就是为什么在 GPU 集群上 all-to-all 有专门的 kernel（例如 DeepSeek 的 DeepEP）。
+# 各 rank 的平均值与均匀路由器的公式相差不到 25%（这是上面单元格断言的界限；每行最后一个数字是本次运行的实际偏差）：只有 64 个 token 时，有多少选择恰好落在本 rank 自己的专家上、从而留在本地，每个 rank 都不一样。这个公式是均匀路由器下的期望值；不均匀的路由器也会让平均值偏移，偏高还是偏低，取决于它偏爱的专家放在哪些 rank 上。规模上去之后，这些数字会非常大：按 DeepSeek-V3 的形状（dim 7168，k = 8），一个 token 在每个 MoE 层、每个方向上的分发最多有 8 x 7168 = 57,344 个值，所以在 GPU 集群上，all-to-all 有专门的 kernel（例如 DeepSeek 的 DeepEP）。
 
 # %% [markdown]
 # ## 哪些能对应到 torchtitan，哪些不能
 #
 # torchtitan 的 MoE（`torchtitan/models/moe/moe.py` 和 `torchtitan/distributed/expert_parallel.py`，阅读的版本为 commit 003edbe）遵循同样的步骤：token-choice 的 top-k 路由（`TokenChoiceTopKRouter`）、按专家对选择做稳定的 argsort（`TokenReorderer`，与这里第 1 步的排序相同）、交换计数、用同一个 functional collectives 模块做切分大小不均的 all-to-all、专家计算，以及反方向的 all-to-all。不同之处在于：
 #
-# - 它的专家以一次分组矩阵乘（`torch._grouped_mm`）的方式运行，而不是 Python 循环；
+# - 它的专家用一次分组矩阵乘（`torch._grouped_mm`）算完，而不是用 Python 循环；
 # - 它没有容量，因此不会丢弃任何 token；它也不用辅助损失，而是在路由分数上加一个只用于 top-k 选择的偏置来均衡负载（`load_balance_coeff`，即无辅助损失的负载均衡，arXiv:2408.15664，与 DeepSeek-V3 相同）；
 # - 它的专家是 `ep` 网格轴上的 DTensor，并与 FSDP 和 TP 组合，而本课传递的是普通张量和一个进程组（接下来的 lab08 会完成 DTensor 和 FSDP 的部分）。
 #
@@ -279,7 +279,7 @@ for p, ranks in ep_runs.items():
 # %% [markdown]
 # ## 放进完整模型：lab08
 #
-# 本实验训练课程中的模型，把每个 block 的 MLP 换成一个 MoE 层（8 个专家，top-2），专家分布在 ("dp", "ep") 网格的 "ep" 维度上，并与 FSDP2 组合。专家是 DTensor，在 "ep" 上是 `Shard(0)`（每个 rank 持有若干个完整的专家），因此检查点按它们在整个模型中的名字存储，可以在任意布局上断点续训；`fully_shard` 把它们的行在 "dp" 上切分，并把稠密层在所有 rank 上分片。有两个细节是本课用不到的：
+# 本实验训练课程中的模型，把每个 block 的 MLP 换成一个 MoE 层（8 个专家，top-2），专家分布在 ("dp", "ep") 网格的 "ep" 轴上，并与 FSDP2 组合。专家是 DTensor，在 "ep" 上是 `Shard(0)`（每个 rank 持有若干个完整的专家），因此检查点按它们在整个模型中的名字存储，换任何布局都能断点续训；`fully_shard` 把它们的行在 "dp" 上切分，并把稠密层在所有 rank 上分片。还有两个细节，本课用不到：
 #
 # - **专家梯度的除数因子。** 在一个 ep rank 上，专家的梯度已经是其 ep 组内每个 rank 的损失之和：反向的 all-to-all 把这些梯度送回了专家所在的 rank。FSDP 随后只在 "dp" 上做归约，所以实验要除以 dp x ep，即 world size（`set_gradient_divide_factor`），而不是 dp。即使使用默认因子，参数也仍会落在单进程结果附近，因为 AdamW 会用每个梯度自己的滑动尺度去除它；正因为如此，实验还会把每一步的梯度范数与单进程做比较。
 # - **全局均衡损失。** 计数在所有 rank 上做 all-reduce，所以损失值与 batch 的切分方式无关，换一个 world size 断点续训后，结果也仍然与单进程一致。
@@ -303,10 +303,13 @@ for p, ranks in ep_runs.items():
 #
 # - **带评分：** 用 all_to_all_single 实现 MoE 的分发与合并。填写 `exercises/moe.py`，然后运行 `python exercises/grade.py moe`：评分脚本会逐项把你的代码与单进程的结果对比（[练习](../exercises/README.md)）。
 #
-# 1. 在 p = 8 个 rank、每个 rank 4096 个 token、k = 8、dim 7168、bf16 的条件下，使用均匀路由器时，一个 MoE 层的分发每个 rank 要发送多少字节？
-# 2. 为什么专家并行需要先交换计数，再发送 token？如果不传 `output_split_sizes`，`all_to_all_single` 会怎么做？
+# 下面每道练习都收在[入门练习](../docs/onboarding-exercises.md)里，配有一段自查代码（你的答案必须通过的一段 Python）和一份折叠起来的参考答案。
+#
+# 1. **dispatch 的字节数**：均匀路由时，一个 MoE 层的分发每个 rank 发送多少字节，也包括 DeepSeek 的规模（[入门练习](../docs/onboarding-exercises.md#exercise-81-the-dispatchs-bytes)中的练习 8.1）。
+# 2. **不丢 token 的容量**：让 MoE 层不丢任何 token 的最小容量因子（[入门练习](../docs/onboarding-exercises.md#exercise-82-the-capacity-that-drops-nothing)中的练习 8.2）。
+# 3. **只有计数才能给出的切分大小**：分发那次 all-to-all 的切分大小，以及其中哪一个离不开计数交换（[入门练习](../docs/onboarding-exercises.md#exercise-83-the-splits-only-the-counts-can-give)中的练习 8.3）。
 #
 # ## 出问题时
 #
-# - 在分发阶段卡死：各 rank 对切分大小的认识不一致（某个 rank 跳过了计数交换，或者用了过期的计数）。每个 rank 都必须按计数交换得到的切分大小调用每一次 all-to-all（见[集合通信超时](../runbooks/collective-timeout.md)）。
-# - 只有路由器梯度的一致性有偏差，而且恰好差 p 倍：均衡损失在每个 rank 上都被完整地反向传播了，而不是每个 rank 只反向传播自己那一份。
+# - 在分发阶段卡死：各 rank 的切分大小对不上（某个 rank 跳过了计数交换，或者用了过期的计数）。每个 rank 都必须按计数交换得到的切分大小调用每一次 all-to-all（见[集合通信超时](../runbooks/collective-timeout.md)）。
+# - 只有路由器梯度的一致性有偏差，而且恰好差 p 倍：每个 rank 都对整个均衡损失做了反向传播，而不是只对自己那一份。
