@@ -69,6 +69,16 @@ assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 7B does not fit an 80 GB GPU unde
 # That is the whole idea. Below, FSDP is built by hand, then with `fully_shard`, and measured;
 # then the lesson comes back to [what sharding leaves](#what-sharding-leaves-activations-and-the-gathered-unit):
 # activations and the gathered unit.
+#
+# The words the rest of the lesson uses:
+#
+# - **ZeRO-1** shards the optimizer state; parameters and gradients stay whole on every rank.
+# - **ZeRO-2** shards the gradients too.
+# - **ZeRO-3** shards the parameters too: this is what FSDP does.
+# - A **unit** is what one `fully_shard` call groups (here, one transformer block): FSDP
+#   all-gathers its parameters together before use and frees them together after.
+# - The **root** is the model itself, wrapped last by `fully_shard(model)`: it holds the rest
+#   (embeddings, final norm, output) and stays gathered from forward to the end of backward.
 
 # %% [markdown]
 # ## From scratch: shard, all-gather, reduce-scatter
@@ -98,50 +108,18 @@ assert all(r["by_hand_vs_fsdp"] <= 1e-6 and r["by_hand_vs_single"] <= 1e-6 for r
 #
 # ### One FSDP step, unit by unit
 #
-# FSDP2 labels every phase it runs with `torch.profiler.record_function`
-# (`FSDP::all_gather (layers.0)`, `FSDP::post_backward_reduce (layers.1)`, ...). One step of
-# the lab's model (two blocks, each its own unit, plus the root for embeddings, final norm and
-# output) on 2 gloo ranks, traced (`fsdp_workers.fsdp_step_trace`):
+# In one step, each block is all-gathered twice (before its forward, and one block ahead
+# before its backward), freed after each use, and reduce-scattered as soon as its backward
+# ends; the root is gathered once and kept whole. The picture shows it for the lab's model
+# (two blocks plus the root) on 2 gloo ranks.
+#
+# The bars come from `torch.profiler`: FSDP2 labels every phase it runs with `record_function`
+# (`FSDP::all_gather (layers.0)`, ...). `fsdp_workers.fsdp_step_trace` records one step, and
+# `fsdp_workers.step_phases` turns the labels into bars:
 
 # %%
 trace = run_workers(fsdp_workers.fsdp_step_trace, 2, timeout_s=180)[0]
-
-
-def unit_of(name):
-    """"FSDP::all_gather (layers.0)" -> "layers.0"; unlabelled or "()" -> the root."""
-    inside = name.rsplit("(", 1)[1].rstrip(")") if name.endswith(")") else ""
-    return inside or ("layers." + name.rsplit(".", 1)[1] if " for layers." in name else "root")
-
-
-def phases(events):
-    """(unit, phase, start, end) bars: all-gather (marked prefetch when FSDP issued it ahead
-    of its block in backward), forward and backward compute, free, reduce-scatter."""
-    spans = {}
-    for name, start, end in events:
-        spans.setdefault(name, []).append((start, end))
-    prefetch = [(s, e) for name, ss in spans.items() if "backward_prefetch" in name for s, e in ss]
-    bars = []
-    for name, start, end in events:
-        if not name.startswith("FSDP::"):
-            continue
-        unit, kind = unit_of(name), name.split("::")[1].split(" ")[0]
-        if kind == "all_gather":
-            early = any(s <= start and end <= e for s, e in prefetch)
-            bars.append((unit, "all-gather (prefetch)" if early else "all-gather", start, end))
-        elif kind == "post_backward_reduce":
-            bars.append((unit, "reduce-scatter", start, end))
-        elif kind in ("post_forward", "post_backward_reshard") and unit != "root":
-            bars.append((unit, "free", start, end))  # the root is kept whole: nothing freed
-    for unit in ("layers.0", "layers.1"):  # compute: between FSDP's hooks of that block
-        (_, fwd_start), = spans[f"FSDP::pre_forward ({unit})"]
-        (fwd_end, _), = spans[f"FSDP::post_forward ({unit})"]
-        (_, bwd_start), = spans[f"FSDP::pre_backward ({unit})"]
-        (bwd_end, _), = spans[f"FSDP::post_backward_accumulate ({unit})"]
-        bars += [(unit, "forward", fwd_start, fwd_end), (unit, "backward", bwd_start, bwd_end)]
-    return bars
-
-
-bars = phases(trace["events"])
+bars = fsdp_workers.step_phases(trace["events"])  # [(unit, phase, start ms, end ms), ...]
 colors = {"all-gather": "tab:blue", "all-gather (prefetch)": "tab:cyan", "forward": "tab:green",
           "backward": "tab:orange", "free": "0.4", "reduce-scatter": "tab:red"}
 units = ["root", "layers.0", "layers.1"]
@@ -189,8 +167,9 @@ assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
 #
 # ### FSDP's bytes, counted
 #
-# The lab's `CommCounter` (lesson 03) counts the bytes each rank sends per collective, with
-# the ring factors of lesson 00. Against DDP's all-reduce of the same gradients:
+# `CommCounter` (`labs/labkit/probes.py`) is the lab kit's counter of collectives: it records
+# each one the step runs and the bytes this rank sends for it, with the ring factors of lesson
+# 00. The traced step above ran under it. Against DDP's all-reduce of the same gradients:
 
 # %%
 n, P, R = 2, trace["param_bytes"], trace["root_param_bytes"]
@@ -220,6 +199,19 @@ print(inspect.getsource(lab.apply_fsdp))
 print(inspect.getsource(lab.build_fsdp_model))
 
 # %% [markdown]
+# In order:
+#
+# 1. Build the model on the meta device: shapes, no memory.
+# 2. `fully_shard` each block, then the root (`apply_fsdp`): every parameter becomes a DTensor
+#    shard, still on meta.
+# 3. `model.to_empty(...)`: each rank allocates its shards and nothing else, uninitialized.
+# 4. Fill the values: `init_sharded_weights` (`labs/labkit/model.py`) computes each full
+#    parameter once, the values one process would draw, and copies this rank's slice.
+#
+# Step 4 costs one full parameter of transient memory and no communication; the alternatives
+# (scatter from rank 0 with `distribute_tensor`, or load the shards from a DCP checkpoint) are
+# in its docstring.
+#
 # ### DeviceMesh: the ranks, arranged by axis
 #
 # `fully_shard` takes a `mesh`: a `DeviceMesh`, the ranks laid out in a grid with one process
@@ -247,12 +239,6 @@ for r, m in enumerate(meshes):
 # [collective-timeout runbook](../runbooks/collective-timeout.md).
 
 # %% [markdown]
-# Filling the shards: `init_sharded_weights` computes each full parameter once (the same
-# values a single process would draw) and copies this rank's slice. That costs one full
-# parameter of transient memory and no communication; the alternatives (scatter from rank 0
-# with `distribute_tensor`, or loading the shards from a DCP checkpoint) are discussed in its
-# docstring.
-#
 # ### Measured: bytes each rank holds
 #
 # `lessons/fsdp_workers.py` builds the model with the lab's own functions for each strategy,
@@ -393,8 +379,8 @@ assert activations_70b > 25 * e70.total_bytes
 # That is why 70B training also needs activation checkpointing (recompute instead of store),
 # tensor or sequence parallelism (lesson 03) or pipeline stages (lesson 04).
 #
-# The next term is the *transient unsharded unit*. A *unit* is the group of parameters FSDP
-# gathers together, usually one transformer block, and a unit must be whole while it computes.
+# The next term is the *transient unsharded unit*: a unit (usually one transformer block) must
+# be whole while it computes.
 # One Llama-2-70B block (dim 8192, MLP hidden 28672, 8 KV heads of 128) holds about 0.86B
 # parameters, so 1.6 GiB in bf16, and about twice that while the next block is prefetched:
 
@@ -440,10 +426,16 @@ assert losses[-1] < 0.7 * losses[0]
 #
 # ### What each flag costs, measured
 #
-# One row per flag, 2 ranks, the lab's model (`fsdp_workers.flag_matrix_row`): the bytes each
-# rank holds after a step, the bytes it sends per step, the activations autograd keeps for
+# Each flag trades one cost for another: bytes on the wire, activations kept for backward, or
+# time. One row per flag, 2 ranks, the lab's model (`fsdp_workers.flag_matrix_row`): the bytes
+# each rank holds after a step, the bytes it sends per step, the activations autograd keeps for
 # backward, the dtypes inside forward (of `layers.0.feed_forward.w1`'s weight and output), and
 # the time of the first step and the median of five more.
+#
+# Two entries measure nothing meaningful on a CPU. The `--cpu-offload` row: the state already
+# lives in host memory, so there is nothing to offload and no copy to a GPU to time. And
+# `--compile`'s step time: on a model this small, Python overhead and gloo dominate the step,
+# so faster kernels cannot show; only its first-step compile cost means something here.
 
 # %%
 rows = {label: run_workers(fsdp_workers.flag_matrix_row, 2, label, timeout_s=300)[0]
@@ -483,19 +475,25 @@ assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
 #   the lab's default (`--mixed-precision auto` follows `--amp`: bf16 where the GPU has it,
 #   fp16 with a GradScaler where it does not); on CPU the default stays fp32, for parity.
 # - **`--activation-checkpointing`** keeps only each block's input and recomputes the rest in
-#   backward: the saved bytes fell by about 9x in the run that built this page (asserted:
-#   more than 5x), for one extra forward of each block. The
-#   parameters are already gathered for backward when the recompute runs, so no bytes are added.
+#   backward: it saves less than a fifth of the default's activation bytes (asserted), for one
+#   extra forward of each block. The parameters are already gathered for backward when the
+#   recompute runs, so no bytes are added.
 # - **`--cpu-offload`** keeps the sharded state and the optimizer step on the CPU and copies
-#   each unit to the GPU for its all-gather. On a CPU-only machine there is nowhere to offload
-#   from: the row measures the same bytes as the default, and says nothing about its GPU cost.
-# - **`--compile`** (inductor, per block) pays its compile in the first step and changes
-#   neither bytes nor saved activations; on this tiny CPU model the steady step barely moves.
-#   lesson 06 measures it where compute dominates.
+#   each unit to the GPU for its all-gather. On this CPU its row can only repeat the
+#   default's, and says nothing about its GPU cost.
+# - **`--compile`** (inductor, per block) pays its compile in the first step: the first step
+#   takes more than 5 times the steady one (asserted). It changes neither bytes nor saved
+#   activations; lesson 06 measures its speed where compute dominates.
 #
-# The step times are this 2-core machine's, with a model this small that Python overhead and
-# gloo dominate; they are printed, not asserted, except that compiling costs more than it saves
-# in one step.
+# Every row holds the same fp32 state, and reduce-scatters the same fp32 gradient bytes
+# (asserted). The other step times are printed, not asserted.
+#
+# <details><summary>The figures of the run that built this page</summary>
+#
+# Activation checkpointing cut the saved bytes by about 9x. The step times came from a 2-core
+# CPU machine, where Python overhead and gloo dominate a model this small; there, `--compile`'s
+# steady step barely moved.
+# </details>
 #
 # **HSDP bytes per mesh axis.** With `--hsdp 2` on 4 ranks, the all-gathers and
 # reduce-scatters stay inside each shard group (the fast, intra-node axis); only an all-reduce

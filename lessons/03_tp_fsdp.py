@@ -39,6 +39,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
@@ -48,7 +49,6 @@ sys.path.insert(0, str(ROOT / "labs"))
 import lab03_tp_fsdp as lab  # noqa: E402  (importable: nothing runs at import)
 import tp_workers  # noqa: E402  (worker functions live in a module: spawn re-imports them)
 from labkit.loop import learning_rate  # noqa: E402  (the labs' warmup schedule)
-from labkit.probes import CommCounter  # noqa: E402
 from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
@@ -235,9 +235,76 @@ for key, style in lab.root_plan(cfg).items():
 #   target's logit), never the logits.
 # - **Order.** TP first, then `fully_shard` per block and the root on the `"dp"` sub-mesh.
 #
-# On a (2, 2) mesh each weight ends up with 2D placements. The sharded parameter (what the
-# optimizer steps) is split over all four ranks; after FSDP's all-gather over `"dp"`
-# (`unshard()`), what the matmuls see is the tp-local slice:
+# The sequence-parallel bullet, drawn for one block as this plan lays it out. `PrepareModuleInput`
+# all-gathers the sequence where it enters attention and the MLP; the row-parallel `wo` and `w2`
+# reduce-scatter their partial sums straight back to `Shard(1)`. Backward mirrors it: an
+# all-gather's gradient is a reduce-scatter, and the other way round.
+
+# %%
+fig, ax = plt.subplots(figsize=(12, 3.4))
+seq_color, tp_color = "tab:green", "tab:blue"
+boxes = [  # (left x, width, text, colour): one block in forward, left to right
+    (1.6, 2.4, "attention_norm\non own tokens", seq_color),
+    (5.5, 3.2, "attention\nwq/wk/wv: heads / t\nwo: partial sums", tp_color),
+    (11.4, 2.4, "ffn_norm\non own tokens", seq_color),
+    (15.3, 3.2, "MLP\nw1/w3: hidden / t\nw2: partial sums", tp_color),
+]
+for x, width, text, color in boxes:
+    ax.add_patch(plt.Rectangle((x, 1.4), width, 1.2, color=color, alpha=0.3))
+    ax.text(x + width / 2, 2.0, text, ha="center", va="center", fontsize=9.5)
+    ax.text(x + width / 2, 1.1, "(b, s/t, h)" if color == seq_color else "input (b, s, h)",
+            ha="center", va="center", fontsize=9, color="dimgray")
+arrows = [(1.0, 1.6, ""), (4.0, 5.5, "all-gather"), (8.7, 10.2, "reduce-\nscatter"),
+          (10.8, 11.4, ""), (13.8, 15.3, "all-gather"), (18.5, 20.0, "reduce-\nscatter"),
+          (20.6, 21.2, "")]
+for x0, x1, label in arrows:  # (from x, to x, the collective on that edge)
+    ax.annotate("", xy=(x1, 2.0), xytext=(x0, 2.0), arrowprops={"arrowstyle": "->", "lw": 1.5})
+    ax.text((x0 + x1) / 2, 2.1, label, ha="center", va="bottom", fontsize=9, color="tab:red")
+for x in (10.5, 20.3):  # residual adds: both operands are Shard(1)
+    ax.plot(x, 2.0, "o", markersize=18, markerfacecolor="white", markeredgecolor="black")
+    ax.text(x, 2.0, "+", ha="center", va="center", fontsize=12)
+    ax.text(x, 1.1, "(b, s/t, h)", ha="center", va="center", fontsize=9, color="dimgray")
+for x0, x1 in [(0.5, 10.5), (11.1, 20.3)]:  # the residual stream skips each sublayer
+    ax.plot([x0, x0, x1], [2.45 if x0 < 1 else 2.0, 3.3, 3.3], color="gray", lw=1.2)
+    ax.annotate("", xy=(x1, 2.3), xytext=(x1, 3.3),
+                arrowprops={"arrowstyle": "->", "color": "gray"})
+ax.text(0.5, 2.0, "x\nShard(1)", ha="center", va="center", fontsize=9.5)
+ax.text(21.9, 2.0, "out\nShard(1)", ha="center", va="center", fontsize=9.5)
+ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=seq_color, alpha=0.3),
+                   plt.Rectangle((0, 0), 1, 1, color=tp_color, alpha=0.3)],
+          labels=["Shard(1): s/t tokens per rank", "TP: whole sequence, weights split"],
+          loc="lower center", ncol=2, fontsize=9, frameon=False)
+ax.set(xlim=(-0.3, 22.7), ylim=(0.2, 3.5))
+ax.set_title("One block with sequence parallel (lab03's block_plan), forward", fontsize=11)
+ax.axis("off")
+fig.subplots_adjust(left=0.0, right=1.0, bottom=0.0, top=0.9)
+plt.show()
+sp_cfg = lab.parse_config(["--tp", "1"])
+sp_cfg.sequence_parallel = True
+sp_plan = lab.block_plan(sp_cfg)
+for sublayer, row_parallel in [("attention", "attention.wo"), ("feed_forward", "feed_forward.w2")]:
+    assert sp_plan[sublayer].input_layouts == (Shard(1),)  # enters sequence-sharded ...
+    assert sp_plan[sublayer].desired_input_layouts == (Replicate(),)  # ... and is all-gathered
+    assert sp_plan[row_parallel].output_layouts == (Shard(1),)  # partial sums reduce-scattered
+assert {type(sp_plan[norm]).__name__ for norm in ("attention_norm", "ffn_norm")} == {
+    "SequenceParallel"}
+
+# %% [markdown]
+# The asserts read these layouts from the lab's plan, and
+# [the Megatron-LM count](#the-megatron-lm-count-checked) below finds the two all-gathers and
+# two reduce-scatters in a real step.
+#
+# On a (2, 2) mesh each weight ends up with 2D placements. The table lists block 0's parameters
+# as rank 0, at (dp, tp) = (0, 0), holds them. "sharded placements" has one placement per mesh
+# axis, `"dp"` first. "sharded" is the local shape between steps, what the optimizer steps: a
+# quarter of each TP'd weight. "tp-local" is the local shape after FSDP's all-gather over
+# `"dp"` (`unshard()`): the slice the matmuls use.
+#
+# `_StridedShard(dim=0, sf=2)` marks a dim that TP and FSDP both split. `ColwiseParallel` gives
+# each tp rank 32 of wq's 64 rows, and FSDP's `Shard(0)` splits those 32 again over `"dp"`. So
+# rank (dp d, tp t) holds rows 32 t + 16 d to 32 t + 16 d + 15: dp index 0 holds rows 0-15 (on
+# tp rank 0) and 32-47 (on tp rank 1), strided, not the rows 0-31 a plain `Shard(0)` on `"dp"`
+# would give it. `sf=2` counts the tp slices that were cut first.
 
 # %%
 layout = [r["layout"] for r in tour]
@@ -250,10 +317,16 @@ assert wq["global"] == (64, 64) and wq["tp_local"] == (32, 64) and wq["sharded_l
 assert layout[0]["params"]["attention_norm.weight"]["tp_placements"] == "-"  # plain: not TP'd
 
 # %% [markdown]
-# `_StridedShard(dim=0, sf=2)` is FSDP saying "I split dim 0 again, on top of TP's split": the
-# dp shards interleave with the tp shards so that the all-gather over `"dp"` rebuilds exactly
-# the tp-local rows. Without sequence parallel the norm weights are not TP'd at all, so they
-# live on the `"dp"` mesh only (which is why the lab's `clip_grad_norm_` groups gradients by mesh).
+# So the all-gather over `"dp"` (ranks 0 and 2, both tp rank 0) rebuilds exactly tp rank 0's
+# rows 0-31: the tp-local (32, 64). `wo` and `w2` need no striding: TP splits their dim 1,
+# FSDP their dim 0.
+#
+# The lab clips gradients (`--clip`, 1.0 by default) with labkit's `clip_grad_norm_`
+# (`labs/labkit/loop.py`): each rank takes the norm of its own gradient shards, DTensor's
+# `full_tensor()` all-reduces the squares over each mesh axis, and every rank clips by the norm
+# of the whole model's gradient. Without sequence parallel the norm weights are not TP'd, so
+# their gradients live on the `"dp"` mesh only and the others on `("dp", "tp")`; one
+# `torch.stack` cannot mix meshes, so the lab sums squares per mesh, then combines.
 #
 # ## What goes wrong
 #
@@ -287,7 +360,7 @@ assert "Mesh should not be bigger than default world size" in mistakes["mesh_too
 # Four ranks, three mesh shapes (dp, tp) = (4, 1), (2, 2), (1, 4), without and with sequence
 # parallel. Each run keeps the per-rank micro-batch at 4 sequences (`--batch-size 4 x dp`), so
 # the comparison isolates what TP divides. `--check-parity` trains the same batches in one process
-# and compares every parameter in fp32 (within 1e-5, see below); `--count-comms` measures step 1
+# and compares every parameter in fp32 (within 1e-5); `--count-comms` measures step 1
 # with `CommDebugMode` and counts the bytes autograd saves for backward.
 #
 # <details><summary>How these runs are launched</summary>
@@ -317,14 +390,161 @@ for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
 assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
 
 # %% [markdown]
-# Parity holds on every mesh, in fp32, within 1e-5. That is not automatic, as the next section
-# shows.
+# Parity holds on every mesh, in fp32, within 1e-5. That needs the labs' learning-rate warmup,
+# for a reason [the section before the Summary](#why-fp32-parity-needs-warmup-adamws-first-step) measures.
 #
-# ### Why fp32 parity needs warmup: AdamW's first step
+# ### Memory per rank against tp
 #
-# The course's one home for this effect. Any parallel run sums in another order than one
-# process (TP's half-sums, an all-reduce over 3 ranks), so fp32 results differ in their last
-# bits, about 1e-7. AdamW's first step turns that into a full step: it is
+# TP divides activations; the 2-D mesh divides the state. Expect flat state per rank and falling
+# activations as tp grows:
+
+# %%
+tps = [1, 2, 4]
+state = [{k: v[0] for k, v in runs[t, False]["state_bytes_per_rank"].items()} for t in tps]
+acts = [runs[t, False]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
+acts_sp = [runs[t, t > 1]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+left.plot(tps, [(s["params"] + s["optimizer"]) / 2**20 for s in state], "o-")
+left.set(title="params + AdamW state per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
+         xticks=tps, ylim=(0, None))
+right.plot(tps, acts, "o-", label="TP")
+right.plot(tps, acts_sp, "s--", label="TP + sequence parallel")
+right.set(title="saved activations per rank (micro-batch 4)", xlabel="tp", ylabel="MiB",
+          xticks=tps, ylim=(0, None))
+right.legend()
+plt.show()
+print("activation MiB, TP:", [f"{x:.2f}" for x in acts], "TP+SP:", [f"{x:.2f}" for x in acts_sp])
+params = [s["params"] for s in state]
+assert max(params) < 1.01 * min(params)  # 2D sharding: every mesh shape splits 4 ways
+assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < acts[2]
+
+# %% [markdown]
+# Parameters and optimizer state are split over all four ranks whatever the shape, so they stay
+# flat (the norm weights, replicated over tp without SP, are the one tiny exception). Saved activations fall as tp grows, and fall further with sequence parallel, which also
+# splits the norms and the residual stream.
+#
+# ### Communication per step against tp
+#
+# As tp grows, FSDP's traffic shrinks and TP's appears: FSDP's bytes are weights and
+# gradients, TP's are activations, in every layer. The plot splits the bytes each rank sends in
+# one step between the two.
+#
+# <details><summary>How the bytes are counted</summary>
+#
+# `CommDebugMode` names every collective. TP's come from DTensor (`c10d_functional.*`), FSDP's
+# from `fully_shard` (`c10d.*`), so one step's traffic splits cleanly by name.
+#
+# `CommCounter`, in the lab kit (`labs/labkit/probes.py`, its `__torch_dispatch__`), counts the
+# bytes each rank *sends*, with lesson 00's ring factors: for a group of n ranks and a full
+# tensor of S bytes, an all-reduce sends 2 (n-1)/n x S, an all-gather or a reduce-scatter
+# (n-1)/n x S.
+#
+# Counting "the tensor a collective touches" instead would mix two accountings: DTensor's
+# functional all-gather sees only the local shard (the counter multiplies it by n - 1), FSDP's
+# sees the gathered output.
+# </details>
+
+# %%
+def wire_mib(metrics, prefix):
+    return sum(v for k, v in metrics["comm_wire_bytes_per_step"].items()
+               if k.startswith(prefix)) / 2**20
+
+
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for sp, style in [(False, "o-"), (True, "s--")]:
+    ax.plot(tps, [wire_mib(runs[t, sp and t > 1], "c10d_functional.") for t in tps], style,
+            label=f"TP collectives{' (SP)' if sp else ''}")
+ax.plot(tps, [wire_mib(runs[t, False], "c10d.") for t in tps], "^:", label="FSDP collectives")
+ax.set(title="bytes sent per step per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
+       xticks=tps)
+ax.legend()
+plt.show()
+fsdp = [wire_mib(runs[t, False], "c10d.") for t in tps]
+tp_traffic = [wire_mib(runs[t, False], "c10d_functional.") for t in tps]
+print("FSDP MiB:", [f"{x:.3f}" for x in fsdp], "TP MiB:", [f"{x:.3f}" for x in tp_traffic])
+assert fsdp[0] > fsdp[1] > fsdp[2] and tp_traffic[1] > 10 * tp_traffic[0]
+
+# %% [markdown]
+# FSDP's traffic shrinks as tp grows (each dp rank gathers only its tp-local slice, and at
+# dp = 1 there is nothing to gather); TP's traffic appears as soon as tp > 1 and is
+# activation-sized. At tp = 1 the only TP-side collectives left are the gradient-norm
+# reductions of clipping (a few scalars per step).
+#
+# ### The Megatron-LM count, checked
+#
+# Per block, the analysis predicts: without SP, two all-reduces forward (after `wo` and `w2`)
+# and two backward (the `f` before attention and MLP); with SP, each all-reduce becomes an
+# all-gather / reduce-scatter pair, plus one small all-reduce per norm for its weight gradient,
+# which is partial because each rank saw only its tokens.
+
+# %%
+def tp_only(counts):
+    return {k.split(".")[-1]: v for k, v in counts.items() if k.startswith("c10d_functional.")}
+
+
+for sp in (False, True):
+    block = runs[2, sp]["comm_counts_block0"]
+    print(f"SP {sp}: forward {tp_only(block['forward'])} | backward {tp_only(block['backward'])}")
+assert tp_only(runs[2, False]["comm_counts_block0"]["forward"]) == {"all_reduce": 2}
+assert tp_only(runs[2, False]["comm_counts_block0"]["backward"]) == {"all_reduce": 2}
+assert tp_only(runs[2, True]["comm_counts_block0"]["forward"]) == {
+    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+assert tp_only(runs[2, True]["comm_counts_block0"]["backward"]) == {
+    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
+
+# %% [markdown]
+# An all-reduce costs what a reduce-scatter plus an all-gather cost (that is how ring
+# all-reduce works: 2 (n-1)/n = (n-1)/n + (n-1)/n), so sequence parallel sends the same bytes
+# as plain TP while sharding activations that plain TP keeps whole. Measured, per step and
+# rank, the only difference is SP's extra all-reduce of each norm's weight gradient (5 norms
+# of 64 fp32 values here, `2 x num_layers + 1` norms):
+
+# %%
+defaults = lab.parse_config(["--tp", "1"])  # the model the runs above trained
+num_norms = 2 * defaults.num_layers + 1     # two per block, plus the final one
+for t in (2, 4):
+    tp_bytes = wire_mib(runs[t, False], "c10d_functional.") * 2**20
+    sp_bytes = wire_mib(runs[t, True], "c10d_functional.") * 2**20
+    norm_grads = num_norms * defaults.dim * 4 * 2 * (t - 1) / t  # one all-reduce per norm
+    print(f"tp = {t}: TP {tp_bytes:,.0f} B, TP + SP {sp_bytes:,.0f} B "
+          f"(difference {sp_bytes - tp_bytes:,.0f} B; norm weight grads {norm_grads:,.0f} B)")
+    assert abs(sp_bytes - tp_bytes - norm_grads) <= 64  # a few 4-byte scalars of grad norms
+    assert abs(sp_bytes / tp_bytes - 1) < 0.01
+
+# %% [markdown]
+# ## A worked cluster plan
+#
+# 8 nodes x 8 GPUs = 64 ranks, tp = 4. The mesh must cover every rank: dp = 64 / 4 = 16, so
+# `init_device_mesh("cuda", (16, 4), mesh_dim_names=("dp", "tp"))` (the lab builds the same
+# layout with `init_mesh`, which also gives every axis the job's timeout). A common mistake is
+# `(8, 4)`: that is 32 ranks. A mesh bigger than the world raises (above); a smaller one silently
+# leaves ranks out. With `"tp"` as the last axis, each TP group is 4 consecutive ranks, and
+# torchrun numbers the ranks of one node consecutively, so TP never crosses a node:
+
+# %%
+nodes, gpus_per_node, tp = 8, 8, 4
+world = nodes * gpus_per_node
+mesh = torch.arange(world).reshape(world // tp, tp)  # the layout init_device_mesh uses
+tp_groups, dp_groups = mesh.tolist(), mesh.t().tolist()
+print(f"mesh {tuple(mesh.shape)}; TP group of rank 13: {tp_groups[13 // tp]}; "
+      f"its dp group: {dp_groups[13 % tp]}")
+assert tuple(mesh.shape) == (16, 4) and 8 * 4 != world
+assert all(len({r // gpus_per_node for r in group}) == 1 for group in tp_groups)  # one node each
+assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all nodes
+
+# %% [markdown]
+# The plan is applied per block (`for block in model.layers.values(): parallelize_module(block,
+# mesh["tp"], block_plan)`), never once at the root with block-relative keys: those match
+# nothing at the root and, as shown above, PyTorch only warns.
+#
+# ## Why fp32 parity needs warmup: AdamW's first step
+#
+# The lab runs above match one process within 1e-5 in fp32 only because the labs warm the
+# learning rate up from 0. This section measures why (the course's one home for this effect).
+#
+# Any parallel run sums in another order than one process (TP's half-sums, an all-reduce over
+# 3 ranks), so fp32 results differ in their last bits, about 1e-7. AdamW's first step turns
+# that into a full step: it is
 # `lr * g / (|g| + eps)` with eps = 1e-8, about `lr * sign(g)` for any entry well above eps,
 # whatever its size. One AdamW step on one weight, measured:
 
@@ -402,142 +622,6 @@ assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
 # bug. With warmup, fp32 parity is back at about 1e-7. When your own parity check fails by a
 # little, `--parity-dtype float64` tells a bug (a gap in both dtypes) from rounding (a gap in
 # fp32 only).
-#
-# ### Memory per rank against tp
-#
-# TP divides activations; the 2-D mesh divides the state. Expect flat state per rank and falling
-# activations as tp grows:
-
-# %%
-tps = [1, 2, 4]
-state = [{k: v[0] for k, v in runs[t, False]["state_bytes_per_rank"].items()} for t in tps]
-acts = [runs[t, False]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
-acts_sp = [runs[t, t > 1]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
-fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-left.plot(tps, [(s["params"] + s["optimizer"]) / 2**20 for s in state], "o-")
-left.set(title="params + AdamW state per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
-         xticks=tps, ylim=(0, None))
-right.plot(tps, acts, "o-", label="TP")
-right.plot(tps, acts_sp, "s--", label="TP + sequence parallel")
-right.set(title="saved activations per rank (micro-batch 4)", xlabel="tp", ylabel="MiB",
-          xticks=tps, ylim=(0, None))
-right.legend()
-plt.show()
-print("activation MiB, TP:", [f"{x:.2f}" for x in acts], "TP+SP:", [f"{x:.2f}" for x in acts_sp])
-params = [s["params"] for s in state]
-assert max(params) < 1.01 * min(params)  # 2D sharding: every mesh shape splits 4 ways
-assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < acts[2]
-
-# %% [markdown]
-# Parameters and optimizer state are split over all four ranks whatever the shape, so they stay
-# flat (the norm weights, replicated over tp without SP, are the one tiny exception). Saved activations fall as tp grows, and fall further with sequence parallel, which also
-# splits the norms and the residual stream.
-#
-# ### Communication per step against tp
-#
-# As tp grows, FSDP's traffic shrinks and TP's appears: activation-sized, every layer.
-# `CommDebugMode` names every collective. TP's come from DTensor (`c10d_functional.*`), FSDP's
-# from `fully_shard` (`c10d.*`), so one step's traffic splits cleanly. `CommCounter`, in the lab
-# kit (`labs/labkit/probes.py`), counts the bytes each rank *sends*, with lesson 00's ring
-# factors: for a group of n ranks and a full tensor of S bytes, an all-reduce sends
-# 2 (n-1)/n x S, an all-gather or a reduce-scatter (n-1)/n x S. (Counting "the tensor a collective touches" instead mixes two
-# accountings: DTensor's functional all-gather sees only the local shard, FSDP's sees the
-# gathered output.)
-
-# %%
-print(inspect.getsource(CommCounter.__torch_dispatch__))
-
-
-def wire_mib(metrics, prefix):
-    return sum(v for k, v in metrics["comm_wire_bytes_per_step"].items()
-               if k.startswith(prefix)) / 2**20
-
-
-fig, ax = plt.subplots(figsize=(6, 3.5))
-for sp, style in [(False, "o-"), (True, "s--")]:
-    ax.plot(tps, [wire_mib(runs[t, sp and t > 1], "c10d_functional.") for t in tps], style,
-            label=f"TP collectives{' (SP)' if sp else ''}")
-ax.plot(tps, [wire_mib(runs[t, False], "c10d.") for t in tps], "^:", label="FSDP collectives")
-ax.set(title="bytes sent per step per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
-       xticks=tps)
-ax.legend()
-plt.show()
-fsdp = [wire_mib(runs[t, False], "c10d.") for t in tps]
-tp_traffic = [wire_mib(runs[t, False], "c10d_functional.") for t in tps]
-print("FSDP MiB:", [f"{x:.3f}" for x in fsdp], "TP MiB:", [f"{x:.3f}" for x in tp_traffic])
-assert fsdp[0] > fsdp[1] > fsdp[2] and tp_traffic[1] > 10 * tp_traffic[0]
-
-# %% [markdown]
-# FSDP's traffic shrinks as tp grows (each dp rank gathers only its tp-local slice, and at
-# dp = 1 there is nothing to gather); TP's traffic appears as soon as tp > 1 and is
-# activation-sized. At tp = 1 the only TP-side collectives left are the gradient-norm reductions.
-#
-# ### The Megatron-LM count, checked
-#
-# Per block, the analysis predicts: without SP, two all-reduces forward (after `wo` and `w2`)
-# and two backward (the `f` before attention and MLP); with SP, each all-reduce becomes an
-# all-gather / reduce-scatter pair, plus one small all-reduce per norm for its weight gradient,
-# which is partial because each rank saw only its tokens.
-
-# %%
-def tp_only(counts):
-    return {k.split(".")[-1]: v for k, v in counts.items() if k.startswith("c10d_functional.")}
-
-
-for sp in (False, True):
-    block = runs[2, sp]["comm_counts_block0"]
-    print(f"SP {sp}: forward {tp_only(block['forward'])} | backward {tp_only(block['backward'])}")
-assert tp_only(runs[2, False]["comm_counts_block0"]["forward"]) == {"all_reduce": 2}
-assert tp_only(runs[2, False]["comm_counts_block0"]["backward"]) == {"all_reduce": 2}
-assert tp_only(runs[2, True]["comm_counts_block0"]["forward"]) == {
-    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
-assert tp_only(runs[2, True]["comm_counts_block0"]["backward"]) == {
-    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
-
-# %% [markdown]
-# An all-reduce costs what a reduce-scatter plus an all-gather cost (that is how ring
-# all-reduce works: 2 (n-1)/n = (n-1)/n + (n-1)/n), so sequence parallel sends the same bytes
-# as plain TP while sharding activations that plain TP keeps whole. Measured, per step and
-# rank, the only difference is SP's extra all-reduce of each norm's weight gradient (5 norms
-# of 64 fp32 values here, `2 x num_layers + 1` norms):
-
-# %%
-defaults = lab.parse_config(["--tp", "1"])  # the model the runs above trained
-num_norms = 2 * defaults.num_layers + 1     # two per block, plus the final one
-for t in (2, 4):
-    tp_bytes = wire_mib(runs[t, False], "c10d_functional.") * 2**20
-    sp_bytes = wire_mib(runs[t, True], "c10d_functional.") * 2**20
-    norm_grads = num_norms * defaults.dim * 4 * 2 * (t - 1) / t  # one all-reduce per norm
-    print(f"tp = {t}: TP {tp_bytes:,.0f} B, TP + SP {sp_bytes:,.0f} B "
-          f"(difference {sp_bytes - tp_bytes:,.0f} B; norm weight grads {norm_grads:,.0f} B)")
-    assert abs(sp_bytes - tp_bytes - norm_grads) <= 64  # a few 4-byte scalars of grad norms
-    assert abs(sp_bytes / tp_bytes - 1) < 0.01
-
-# %% [markdown]
-# ## A worked cluster plan
-#
-# 8 nodes x 8 GPUs = 64 ranks, tp = 4. The mesh must cover every rank: dp = 64 / 4 = 16, so
-# `init_device_mesh("cuda", (16, 4), mesh_dim_names=("dp", "tp"))` (the lab builds the same
-# layout with `init_mesh`, which also gives every axis the job's timeout). A common mistake is
-# `(8, 4)`: that is 32 ranks. A mesh bigger than the world raises (above); a smaller one silently
-# leaves ranks out. With `"tp"` as the last axis, each TP group is 4 consecutive ranks, and
-# torchrun numbers the ranks of one node consecutively, so TP never crosses a node:
-
-# %%
-nodes, gpus_per_node, tp = 8, 8, 4
-world = nodes * gpus_per_node
-mesh = torch.arange(world).reshape(world // tp, tp)  # the layout init_device_mesh uses
-tp_groups, dp_groups = mesh.tolist(), mesh.t().tolist()
-print(f"mesh {tuple(mesh.shape)}; TP group of rank 13: {tp_groups[13 // tp]}; "
-      f"its dp group: {dp_groups[13 % tp]}")
-assert tuple(mesh.shape) == (16, 4) and 8 * 4 != world
-assert all(len({r // gpus_per_node for r in group}) == 1 for group in tp_groups)  # one node each
-assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all nodes
-
-# %% [markdown]
-# The plan is applied per block (`for block in model.layers.values(): parallelize_module(block,
-# mesh["tp"], block_plan)`), never once at the root with block-relative keys: those match
-# nothing at the root and, as shown above, PyTorch only warns.
 #
 # ## Summary
 #

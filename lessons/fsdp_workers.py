@@ -134,8 +134,8 @@ def fsdp_step_trace(rank, world_size):
     """One FSDP step of the lab model (after a warm-up step that builds FSDP's buffers), under
     torch.profiler. FSDP2 labels each phase with record_function ("FSDP::all_gather (layers.0)",
     "FSDP::post_backward_reduce (layers.1)", ...). Returns this rank's labelled intervals in ms
-    from the step's start, and the bytes it sent per collective (labkit's CommCounter: ring
-    factors, lesson 00), next to the bytes DDP's all-reduce of the same gradients would send."""
+    from the step's start (step_phases turns them into bars), and the bytes it sent per
+    collective (labkit's CommCounter: ring factors, lesson 00), next to the bytes DDP's all-reduce of the same gradients would send."""
     cfg = lab.parse_config(["--steps", "1"])
     torch.manual_seed(cfg.seed)
     model, optimizer, mesh = lab.build(cfg, world_size, torch.device("cpu"))
@@ -155,6 +155,48 @@ def fsdp_step_trace(rank, world_size):
             "root_param_bytes": sum(p.numel() * 4 for n, p in model.named_parameters()
                                     if not n.startswith("layers.")),
             "param_bytes": grad_bytes}
+
+
+
+def _unit_of(name):
+    """"FSDP::all_gather (layers.0)" -> "layers.0"; unlabelled or "()" -> the root."""
+    inside = name.rsplit("(", 1)[1].rstrip(")") if name.endswith(")") else ""
+    return inside or ("layers." + name.rsplit(".", 1)[1] if " for layers." in name else "root")
+
+
+def step_phases(events, blocks=("layers.0", "layers.1")):
+    """The phases of one FSDP step, from fsdp_step_trace's events (FSDP2's record_function
+    labels, with their start and end in ms): a list of (unit, phase, start, end) bars, one per
+    thing FSDP did to a unit. unit is "root" or a block ("layers.0", ...); phase is one of
+    - "all-gather", or "all-gather (prefetch)" when FSDP issued it ahead of its block, inside
+      another unit's backward_prefetch;
+    - "forward" and "backward": a block's compute, between FSDP's hooks of that block;
+    - "free": a block's gathered parameters resharded after use (the root is kept whole from
+      forward to the end of backward, so it has none);
+    - "reduce-scatter": the unit's gradients, once its backward is done."""
+    spans = {}
+    for name, start, end in events:
+        spans.setdefault(name, []).append((start, end))
+    prefetch = [(s, e) for name, ss in spans.items() if "backward_prefetch" in name for s, e in ss]
+    bars = []
+    for name, start, end in events:
+        if not name.startswith("FSDP::"):
+            continue
+        unit, kind = _unit_of(name), name.split("::")[1].split(" ")[0]
+        if kind == "all_gather":
+            early = any(s <= start and end <= e for s, e in prefetch)
+            bars.append((unit, "all-gather (prefetch)" if early else "all-gather", start, end))
+        elif kind == "post_backward_reduce":
+            bars.append((unit, "reduce-scatter", start, end))
+        elif kind in ("post_forward", "post_backward_reshard") and unit != "root":
+            bars.append((unit, "free", start, end))
+    for unit in blocks:  # compute: between FSDP's hooks of that block
+        (_, fwd_start), = spans[f"FSDP::pre_forward ({unit})"]
+        (fwd_end, _), = spans[f"FSDP::post_forward ({unit})"]
+        (_, bwd_start), = spans[f"FSDP::pre_backward ({unit})"]
+        (bwd_end, _), = spans[f"FSDP::post_backward_accumulate ({unit})"]
+        bars += [(unit, "forward", fwd_start, fwd_end), (unit, "backward", bwd_start, bwd_end)]
+    return bars
 
 
 # The flags a lab02 user reaches for, one row each (lesson 02's table).

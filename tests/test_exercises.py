@@ -1,7 +1,7 @@
 """The graded exercises (exercises/): each grader passes its reference solution, fails the
-untouched stub with a message naming the function to write (no traceback), fails every file
-in exercises/wrong/ and names its mistake, refuses bad input in one line with exit status 2
-before any rank starts, and stops a hang. Every grade run is a subprocess with a timeout and
+untouched stub with a message naming the function to write (no traceback), fails every wrong
+solution built by exercises/wrong_solutions.py and names its mistake, refuses bad input in one
+line with exit status 2 before any rank starts, and stops a hang. Every grade run is a subprocess with a timeout and
 must take under a minute; its wall time is printed (pytest -s shows it)."""
 
 import ast
@@ -27,41 +27,10 @@ STUB_FUNCTIONS = {"ddp": "implement HandDDP.__init__",
                   "moe": "implement dispatch",
                   "pipeline": "implement run_gpipe",
                   "ring": "implement ring_attention_forward"}
-# exercises/wrong/<file> -> what the grader's output must say about its mistake
-MISTAKES = {
-    "ddp_averaged_twice.py": "averaged twice? your grads are 0.50x the reference",
-    "ddp_hooks_frozen_params.py": "a frozen parameter? skip parameters with requires_grad=False",
-    "ddp_missing_wait.py": "did it wait for the all-reduce and copy the result back?",
-    "ddp_no_broadcast.py": "broadcast rank 0's parameters and buffers in the constructor",
-    "ddp_no_overlap.py": "none of 5 all-reduces was launched during backward",
-    "ddp_tied_weight_twice.py": "only embed.weight is wrong (0.50x the reference): the tied weight",
-    "zero1_no_broadcast.py": "broadcast each updated shard from its owner after step()",
-    "zero1_no_sharding.py": "every rank updates the whole model (no sharding)",
-    "zero1_uneven_split.py": "does your split drop the remainder (8 params over 3 ranks)?",
-    "zero1_weight_decay_everywhere.py": "only the weight_decay=0.0 group differs",
-    "zero1_zero_grad_own_shard.py": "zero every parameter's grad, not only your shard's",
-    "fsdp_backward_on_freed_params.py": "backward ran on freed params: all-gather them again",
-    "fsdp_bf16_master_shards.py": "the master shards stay fp32, whatever the compute dtype",
-    "fsdp_floor_shard_size.py": "numel // world_size drops the remainder",
-    "fsdp_never_free.py": "after backward (4 of 4): never freed?",
-    "fsdp_no_backward_gather.py": "0 all-gathers during backward, expected 4",
-    "fsdp_summed_grads.py": "summed but not averaged? your grad shards are 2.00x the reference",
-    "tp_missing_f_backward.py": "f's backward must all-reduce the input gradient",
-    "tp_row_averaged.py": "averaged the partial sums? g must sum them",
-    "tp_row_reduced_twice.py": "all-reduced in backward too? g's backward is the identity",
-    "tp_wrong_split_dim.py": "split the wrong dim? column-parallel splits the output dim",
-    "moe_recv_as_send.py": "each rank used its own send counts as output_split_sizes",
-    "moe_unsorted_combine.py": "combine must put each returned row back at the token it came",
-    "moe_unweighted.py": "multiply each by its router weight",
-    "pipeline_1f1b_warmup_p.py": "1F1B warms up with min(m, p - rank) = 1 on this stage",
-    "pipeline_gpipe_backward_reversed.py": "backwards in reverse microbatch order (B3 B2 B1 B0)",
-    "pipeline_loss_not_scaled.py": "your grads are 4.00x the reference: divide each microbatch's",
-    "pipeline_no_grad_sent_back.py": "stage 0's .grad is None: no gradient came back from stage 1",
-    "ring_average_merge.py": "merged by averaging? your out is the plain average",
-    "ring_mask_every_block.py": "the causal mask is applied to every block",
-    "ring_rotate_k_only.py": "every block used this rank's own v",
-}
-WRONG = sorted((EXERCISES / "wrong").glob("*.py"))
+# The wrong solutions: each a reference solution with one mistake planted by its edits, and
+# what the grader's output must say about that mistake (exercises/wrong_solutions.py).
+WRONG = runpy.run_path(str(EXERCISES / "wrong_solutions.py"))
+MISTAKES = WRONG["MISTAKES"]
 README = (EXERCISES / "README.md").read_text()
 
 
@@ -72,11 +41,6 @@ def grade(*args, timeout=120):
     wall = time.monotonic() - start
     print(f"grade.py {' '.join(map(str, args))}: {wall:.1f} s, exit {proc.returncode}")
     return proc, wall
-
-
-def exercise_of(wrong_path):
-    """exercises/wrong/<exercise>_<mistake>.py -> <exercise>"""
-    return max((n for n in NAMES if wrong_path.name.startswith(f"{n}_")), key=len, default=None)
 
 
 def check_lines(stdout):
@@ -111,24 +75,39 @@ def test_untouched_stub_fails_naming_the_function(name):
     assert wall < MAX_WALL_S
 
 
-def test_every_wrong_solution_has_its_mistake_named():
-    assert [path.name for path in WRONG] == sorted(MISTAKES)
-    for path in WRONG:
-        docstring = ast.get_docstring(ast.parse(path.read_text()))
-        assert docstring and "\n" not in docstring, f"{path.name}: one-line docstring"
-        assert exercise_of(path), path.name
+def test_every_wrong_solution_is_described_and_its_edits_apply():
+    for name, mistake in MISTAKES.items():
+        assert mistake.exercise in NAMES and name.startswith(f"{mistake.exercise}_"), name
+        assert mistake.description and "\n" not in mistake.description, f"{name}: one line"
+        assert mistake.grader_says, name
+        reference = (EXERCISES / "solutions" / f"{mistake.exercise}.py").read_text()
+        assert mistake.edits, name
+        for old, new in mistake.edits:  # each edit applies exactly once to its reference
+            assert old != new and reference.count(old) == 1, (name, old)
+        source = WRONG["build"](name)
+        assert ast.get_docstring(ast.parse(source)) == mistake.description, name
     for name in NAMES:  # at least two mistakes per exercise
-        assert sum(exercise_of(path) == name for path in WRONG) >= 2, name
+        assert sum(m.exercise == name for m in MISTAKES.values()) >= 2, name
 
 
-@pytest.mark.parametrize("path", WRONG, ids=[path.name for path in WRONG])
-def test_wrong_solution_fails_and_the_output_names_the_mistake(path):
-    proc, wall = grade(exercise_of(path), path)
+def test_an_edit_that_no_longer_applies_fails_naming_the_mistake():
+    with pytest.raises(ValueError, match="wrong solution ddp_x: an edit's old text occurs 0 times"):
+        WRONG["apply_edits"]("ddp_x", "a = 1\n", [("b = 2", "b = 3")])
+    with pytest.raises(ValueError, match="wrong solution ddp_x: an edit's old text occurs 2 times"):
+        WRONG["apply_edits"]("ddp_x", "a = 1\na = 1\n", [("a = 1", "a = 2")])
+    # Edits apply to the reference, not to each other's results: a swap is two edits.
+    assert WRONG["apply_edits"]("ddp_x", "x(0)\ny(1)\n", [("0", "1"), ("1", "0")]) == "x(1)\ny(0)\n"
+
+
+@pytest.mark.parametrize("name", MISTAKES)
+def test_wrong_solution_fails_and_the_output_names_the_mistake(name, tmp_path):
+    path = write(tmp_path / f"{name}.py", WRONG["build"](name))
+    proc, wall = grade(MISTAKES[name].exercise, path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output
-    assert MISTAKES[path.name] in proc.stdout, proc.stdout
+    assert MISTAKES[name].grader_says in proc.stdout, proc.stdout
     assert "Traceback" not in output
-    if path.name == "ddp_averaged_twice.py":  # the README shows its first failures
+    if name == "ddp_averaged_twice":  # the README shows its first failures
         assert all(line in README for line in check_lines(proc.stdout)[1:3])
     assert wall < MAX_WALL_S
 

@@ -16,6 +16,8 @@ import re
 import sys
 from pathlib import Path
 
+from markdown.extensions.toc import slugify
+
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "docs" / "onboarding.md"
 BOOK = ROOT / "docs" / "onboarding-exercises.md"
@@ -63,8 +65,9 @@ def count_words(text):
 
 
 def anchor_of(heading):
-    """The anchor mkdocs (toc) gives a heading: lower case, punctuation dropped, dashes."""
-    return re.sub(r"[^\w\s-]", "", heading.lower()).strip().replace(" ", "-")
+    """The anchor mkdocs gives a heading: its toc extension's own slugify, on the heading's
+    text as rendered (code and emphasis marks dropped)."""
+    return slugify(re.sub(r"[`*]", "", heading), "-")
 
 
 def section(text, anchor):

@@ -61,6 +61,14 @@ assert ddp_7b == 112e9 and fsdp_7b == 14e9   # 用 DDP 时，7B 装不进 80 GB 
 # 7B 模型在 DDP 下每个 rank 需要 112 GB：还没存下任何激活值，就已经装不进 80 GB 的 GPU。分片到 8 个 rank 上（即 ZeRO-3，FSDP 实现的就是它）则只需 14 GB。
 #
 # 这就是 FSDP 的全部思路。下面先手写 FSDP，再用 `fully_shard` 实现并实测；最后回到[分片之后剩下的](#what-sharding-leaves-activations-and-the-gathered-unit)：激活值和未分片单元。
+#
+# 本课后面会用到这些词：
+#
+# - **ZeRO-1** 对优化器状态分片；参数和梯度在每个 rank 上仍是完整的。
+# - **ZeRO-2** 再对梯度分片。
+# - **ZeRO-3** 再对参数分片：FSDP 做的就是这个。
+# - **单元**是一次 `fully_shard` 调用归成一组的参数（这里是一个 transformer block）：FSDP 在使用前一起 all-gather，用完后一起释放。
+# - **根单元**（root）就是模型本身，最后由 `fully_shard(model)` 包装：它持有其余的参数（embedding、最终的 norm、输出层），并从前向开始一直保持 gather 状态，直到反向传播结束。
 
 # %% [markdown]
 # ## 从零开始：分片、all-gather、reduce-scatter
@@ -84,47 +92,13 @@ assert all(r["by_hand_vs_fsdp"] <= 1e-6 and r["by_hand_vs_single"] <= 1e-6 for r
 #
 # ### 逐个单元看一次 FSDP 训练步
 #
-# FSDP2 用 `torch.profiler.record_function` 给它执行的每个阶段打上标签（`FSDP::all_gather (layers.0)`、`FSDP::post_backward_reduce (layers.1)` 等）。下面在 2 个 gloo rank 上跟踪实验模型的一步（两个 block 各自是一个单元，另有根单元 root 负责 embedding、最终的 norm 和输出层），见 `fsdp_workers.fsdp_step_trace`：
+# 在一个训练步中，每个 block 要 all-gather 两次（前向之前一次；反向之前再一次，而且提前一个 block 发出），每次用完就释放，它的反向一结束就做 reduce-scatter；根单元只 gather 一次，并一直保持完整。下图展示的是实验模型（两个 block 加根单元）在 2 个 gloo rank 上的情况。
+#
+# 这些色条来自 `torch.profiler`：FSDP2 用 `record_function` 给它执行的每个阶段打上标签（`FSDP::all_gather (layers.0)` 等）。`fsdp_workers.fsdp_step_trace` 记录一步，`fsdp_workers.step_phases` 把这些标签变成色条：
 
 # %%
 trace = run_workers(fsdp_workers.fsdp_step_trace, 2, timeout_s=180)[0]
-
-
-def unit_of(name):
-    """"FSDP::all_gather (layers.0)" -> "layers.0"; unlabelled or "()" -> the root."""
-    inside = name.rsplit("(", 1)[1].rstrip(")") if name.endswith(")") else ""
-    return inside or ("layers." + name.rsplit(".", 1)[1] if " for layers." in name else "root")
-
-
-def phases(events):
-    """(unit, phase, start, end) bars: all-gather (marked prefetch when FSDP issued it ahead
-    of its block in backward), forward and backward compute, free, reduce-scatter."""
-    spans = {}
-    for name, start, end in events:
-        spans.setdefault(name, []).append((start, end))
-    prefetch = [(s, e) for name, ss in spans.items() if "backward_prefetch" in name for s, e in ss]
-    bars = []
-    for name, start, end in events:
-        if not name.startswith("FSDP::"):
-            continue
-        unit, kind = unit_of(name), name.split("::")[1].split(" ")[0]
-        if kind == "all_gather":
-            early = any(s <= start and end <= e for s, e in prefetch)
-            bars.append((unit, "all-gather (prefetch)" if early else "all-gather", start, end))
-        elif kind == "post_backward_reduce":
-            bars.append((unit, "reduce-scatter", start, end))
-        elif kind in ("post_forward", "post_backward_reshard") and unit != "root":
-            bars.append((unit, "free", start, end))  # 根模块保持完整：不释放
-    for unit in ("layers.0", "layers.1"):  # 计算：夹在该 block 的 FSDP hook 之间
-        (_, fwd_start), = spans[f"FSDP::pre_forward ({unit})"]
-        (fwd_end, _), = spans[f"FSDP::post_forward ({unit})"]
-        (_, bwd_start), = spans[f"FSDP::pre_backward ({unit})"]
-        (bwd_end, _), = spans[f"FSDP::post_backward_accumulate ({unit})"]
-        bars += [(unit, "forward", fwd_start, fwd_end), (unit, "backward", bwd_start, bwd_end)]
-    return bars
-
-
-bars = phases(trace["events"])
+bars = fsdp_workers.step_phases(trace["events"])  # [(单元, 阶段, 起始 ms, 结束 ms), ...]
 colors = {"all-gather": "tab:blue", "all-gather (prefetch)": "tab:cyan", "forward": "tab:green",
           "backward": "tab:orange", "free": "0.4", "reduce-scatter": "tab:red"}
 units = ["root", "layers.0", "layers.1"]
@@ -160,7 +134,7 @@ assert gathers == {"root": 1, "layers.0": 2, "layers.1": 2}
 #
 # ### 数一数 FSDP 的通信字节
 #
-# 实验中的 `CommCounter`（第 03 课）按第 00 课的环形系数，统计每个 rank 在每次集合通信中发送的字节数。下面与 DDP 对同样梯度做的 all-reduce 对比：
+# `CommCounter`（`labs/labkit/probes.py`）是实验工具包中的集合通信计数器：它记录训练步执行的每一次集合通信，以及本 rank 为它发送的字节数，按第 00 课的环形系数计算。上面跟踪的那一步就是在它之下运行的。下面与 DDP 对同样梯度做的 all-reduce 对比：
 
 # %%
 n, P, R = 2, trace["param_bytes"], trace["root_param_bytes"]
@@ -185,6 +159,15 @@ print(inspect.getsource(lab.apply_fsdp))
 print(inspect.getsource(lab.build_fsdp_model))
 
 # %% [markdown]
+# 按顺序：
+#
+# 1. 在 meta 设备上构建模型：只有形状，不占内存。
+# 2. 先对每个 block、再对根模块调用 `fully_shard`（`apply_fsdp`）：每个参数都变成一个 DTensor 分片，仍在 meta 设备上。
+# 3. `model.to_empty(...)`：每个 rank 只分配自己的分片，别的一概不分配，也不初始化。
+# 4. 填充数值：`init_sharded_weights`（`labs/labkit/model.py`）把每个完整参数计算一次（与单进程抽取的值相同），然后复制本 rank 的切片。
+#
+# 第 4 步的代价是一个完整参数大小的临时内存，不需要任何通信；其他做法（用 `distribute_tensor` 从 rank 0 分发，或从 DCP 检查点加载分片）在它的 docstring 中有讨论。
+#
 # ### DeviceMesh：按轴排列的 rank
 #
 # `fully_shard` 接受一个 `mesh` 参数，即 `DeviceMesh`：把 rank 排成网格，每个轴对应一个进程组（也就是第 00 课的子组，由它替你创建）。4 个 rank 的一维网格就是包含全部 4 个 rank 的一个组，FSDP 在它上面分片。轴为 `("dp_replicate", "dp_shard")` 的 2 x 2 网格有行有列：FSDP 在一行之内分片，在各行之间复制（即下文的 HSDP，混合分片数据并行）；第 03 课则在第二个轴上放张量并行。rank r 位于第 r // 2 行、第 r % 2 列：
@@ -203,8 +186,6 @@ for r, m in enumerate(meshes):
 # `init_device_mesh` 用 `new_group` 创建每个轴的进程组，而在 torch 2.13 中它不会继承默认进程组的超时（在 gloo 上变成 30 分钟）。各实验用工具包中的 `init_mesh()` 构建网格，它会显式传入超时：见[集合通信超时](../runbooks/collective-timeout.md)。
 
 # %% [markdown]
-# 填充分片：`init_sharded_weights` 把每个完整参数计算一次（与单进程抽取的值相同），然后复制本 rank 的切片。代价是一个完整参数大小的临时内存，不需要任何通信；其他做法（用 `distribute_tensor` 从 rank 0 分发，或从 DCP 检查点加载分片）在它的 docstring 中有讨论。
-#
 # ### 实测：每个 rank 持有的字节数
 #
 # `lessons/fsdp_workers.py` 针对每种策略，用实验脚本自己的函数构建模型，让优化器更新一次，然后把每个 rank 所持张量背后的存储加起来（实验工具包探针 `labs/labkit/probes.py` 中的 `measure_state_bytes`）。world size 分别取 1、2、4：
@@ -321,7 +302,7 @@ assert activations_70b > 25 * e70.total_bytes
 # %% [markdown]
 # 所以训练 70B 模型还需要激活检查点（又称激活重计算：用重计算代替存储）、张量并行或序列并行（第 03 课），或者流水线阶段（第 04 课）。
 #
-# 下一项是*临时的未分片单元*。*单元*是 FSDP 一起 gather 的一组参数，通常是一个 transformer block；单元在计算时必须是完整的。一个 Llama-2-70B block（dim 8192，MLP 隐藏层 28672，8 个 128 维的 KV head）约有 0.86B 参数，bf16 下为 1.6 GiB；在预取下一个 block 期间，约为它的两倍：
+# 下一项是*临时的未分片单元*：单元（通常是一个 transformer block）在计算时必须是完整的。一个 Llama-2-70B block（dim 8192，MLP 隐藏层 28672，8 个 128 维的 KV head）约有 0.86B 参数，bf16 下为 1.6 GiB；在预取下一个 block 期间，约为它的两倍：
 
 # %%
 dim, hidden, kv_dim = 8192, 28672, 8 * 128
@@ -360,7 +341,9 @@ assert losses[-1] < 0.7 * losses[0]
 #
 # ### 实测每个选项的代价
 #
-# 每个选项一行，2 个 rank，实验模型（`fsdp_workers.flag_matrix_row`）：每个 rank 在一步之后持有的字节数、每步发送的字节数、autograd 为反向传播保存的激活值、前向内部的 dtype（`layers.0.feed_forward.w1` 的权重和输出），以及第一步的耗时和之后五步耗时的中位数。
+# 每个选项都是用一种代价换另一种：网络上传输的字节、为反向传播保留的激活值，或者时间。每个选项一行，2 个 rank，实验模型（`fsdp_workers.flag_matrix_row`）：每个 rank 在一步之后持有的字节数、每步发送的字节数、autograd 为反向传播保存的激活值、前向内部的 dtype（`layers.0.feed_forward.w1` 的权重和输出），以及第一步的耗时和之后五步耗时的中位数。
+#
+# 有两项在 CPU 上测不出有意义的东西。一是 `--cpu-offload` 这一行：状态本来就在主机内存里，没有东西可卸载，也没有复制到 GPU 的开销可计时。二是 `--compile` 的步耗时：模型这么小，Python 开销和 gloo 占了步耗时的大头，更快的 kernel 显不出来；这里只有它第一步的编译开销有意义。
 
 # %%
 rows = {label: run_workers(fsdp_workers.flag_matrix_row, 2, label, timeout_s=300)[0]
@@ -391,11 +374,16 @@ assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
 # - **`--amp bf16`**（配合 `--mixed-precision fp32` 运行，因为这个策略的默认值 `auto` 会跟随 `--amp`）只开 autocast，与 lab01 中一样：前向中权重仍是 fp32，每个 matmul 把输入转换成 bf16，所以*激活值*是 bf16（保存的字节更少），而 FSDP 仍然 all-gather fp32 权重：网络上传输的字节一点没少。
 # - **`--mixed-precision bf16`** 是 FSDP 自己的 `MixedPrecisionPolicy(param_dtype=bfloat16,
 #   reduce_dtype=float32)`：FSDP 在 all-gather *之前*就把每个分片转换成 bf16，所以 gather 传输的字节减半，block 也用 bf16 计算；梯度仍以 fp32 做 reduce-scatter，分片后的参数和 AdamW 状态也仍是 fp32。它不需要 autocast：在前向和反向传播中，参数本身就是 bf16。在 GPU 上这是实验的默认设置（`--mixed-precision auto` 跟随 `--amp`：GPU 支持 bf16 时用 bf16，不支持时用 fp16 加 GradScaler）；在 CPU 上默认仍是 fp32，以保证一致性。
-# - **`--activation-checkpointing`** 只保留每个 block 的输入，其余的在反向传播中重新计算：在生成本页的那次运行中，保存的字节数降到约 1/9（断言：降幅超过 5 倍），代价是每个 block 多做一次前向。重计算时，参数已经为反向传播 gather 好了，所以不会增加通信字节。
-# - **`--cpu-offload`** 把分片状态和优化器的更新放在 CPU 上，每个单元 all-gather 时再把它复制到 GPU。在只有 CPU 的机器上无处可卸载：这一行测得的字节数与默认相同，也说明不了它在 GPU 上的代价。
-# - **`--compile`**（inductor，逐 block 编译）把编译开销付在第一步，既不改变通信字节，也不改变保存的激活值；在这个很小的 CPU 模型上，稳定后的步耗时几乎不变。第 06 课会在计算占主导的场景下测量它。
+# - **`--activation-checkpointing`** 只保留每个 block 的输入，其余的在反向传播中重新计算：保存的激活值字节数不到默认的五分之一（有断言），代价是每个 block 多做一次前向。重计算时，参数已经为反向传播 gather 好了，所以不会增加通信字节。
+# - **`--cpu-offload`** 把分片状态和优化器的更新放在 CPU 上，每个单元 all-gather 时再把它复制到 GPU。在这台 CPU 上，这一行只能重复默认那一行的数字，也说明不了它在 GPU 上的代价。
+# - **`--compile`**（inductor，逐 block 编译）把编译开销付在第一步：第一步的耗时超过稳定后一步的 5 倍（有断言）。它既不改变通信字节，也不改变保存的激活值；第 06 课会在计算占主导的场景下测量它的速度。
 #
-# 步耗时是这台 2 核机器上的数字，模型又这么小，Python 开销和 gloo 占了大头；所以这些时间只打印、不断言，唯一的例外是断言编译在第一步花掉的时间超过它省下的时间。
+# 每一行持有的 fp32 状态都相同，reduce-scatter 的 fp32 梯度字节数也都相同（有断言）。其余的步耗时只打印、不断言。
+#
+# <details><summary>生成本页的那次运行中的数字</summary>
+#
+# 激活检查点让保存的字节数降到约 1/9。步耗时来自一台 2 核的 CPU 机器，模型这么小，Python 开销和 gloo 占了大头；在那台机器上，`--compile` 稳定后的步耗时几乎不变。
+# </details>
 #
 # **HSDP 在各网格轴上的字节数。** 在 4 个 rank 上用 `--hsdp 2` 时，all-gather 和 reduce-scatter 都留在各自的分片组内（快速的节点内维度）；只有梯度*分片*的 all-reduce 会跨越复制维度：
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 ROOT = Path(os.environ.get("COURSE_ROOT") or next(
     p for p in [Path.cwd(), *Path.cwd().parents] if (p / "labs" / "lab01_ddp.py").exists()))
@@ -44,7 +45,6 @@ sys.path.insert(0, str(ROOT / "labs"))
 import lab03_tp_fsdp as lab  # noqa: E402  （可以直接导入：导入时什么都不执行）
 import tp_workers  # noqa: E402  （worker 函数放在模块里：spawn 会重新导入它们）
 from labkit.loop import learning_rate  # noqa: E402  （各实验的预热调度）
-from labkit.probes import CommCounter  # noqa: E402
 from spawn import launch_lab, run_workers  # noqa: E402
 
 # %% [markdown]
@@ -196,7 +196,63 @@ for key, style in lab.root_plan(cfg).items():
 # - **损失并行。** 不开它，输出投影会在每个 TP rank 上把完整的 logits（batch x seq x vocab）gather 回来再算损失。开了 `--loss-parallel`，logits 按词表保持分片（`Shard(-1)`），由 `loss_parallel()` 直接在分片上算交叉熵：各 rank 之间只对每个 token 的几个数做 all-reduce（最大值、指数和、目标 token 的 logit），logits 本身从不传输。
 # - **顺序。** 先应用 TP，再在 `"dp"` 子网格上对每个 block 和根模块调用 `fully_shard`。
 #
-# 在 (2, 2) 网格上，每个权重最终都带有 2D 放置方式。分片后的参数（优化器实际更新的对象）分布在全部四个 rank 上；FSDP 沿 `"dp"` 做完 all-gather（`unshard()`）之后，矩阵乘法看到的是 tp 本地切片：
+# 下图把“序列并行”那一条画成一个 block，布局与这份计划一致。`PrepareModuleInput` 在序列进入注意力和 MLP 时对它做 all-gather；行并行的 `wo` 和 `w2` 把部分和直接 reduce-scatter 回 `Shard(1)`。反向正好镜像过来：all-gather 的梯度是 reduce-scatter，反之亦然。
+
+# %%
+fig, ax = plt.subplots(figsize=(12, 3.4))
+seq_color, tp_color = "tab:green", "tab:blue"
+boxes = [  # （左边的 x、宽度、文字、颜色）：一个 block 的前向，从左到右
+    (1.6, 2.4, "attention_norm\non own tokens", seq_color),
+    (5.5, 3.2, "attention\nwq/wk/wv: heads / t\nwo: partial sums", tp_color),
+    (11.4, 2.4, "ffn_norm\non own tokens", seq_color),
+    (15.3, 3.2, "MLP\nw1/w3: hidden / t\nw2: partial sums", tp_color),
+]
+for x, width, text, color in boxes:
+    ax.add_patch(plt.Rectangle((x, 1.4), width, 1.2, color=color, alpha=0.3))
+    ax.text(x + width / 2, 2.0, text, ha="center", va="center", fontsize=9.5)
+    ax.text(x + width / 2, 1.1, "(b, s/t, h)" if color == seq_color else "input (b, s, h)",
+            ha="center", va="center", fontsize=9, color="dimgray")
+arrows = [(1.0, 1.6, ""), (4.0, 5.5, "all-gather"), (8.7, 10.2, "reduce-\nscatter"),
+          (10.8, 11.4, ""), (13.8, 15.3, "all-gather"), (18.5, 20.0, "reduce-\nscatter"),
+          (20.6, 21.2, "")]
+for x0, x1, label in arrows:  # （起点 x、终点 x、这条边上的集合通信）
+    ax.annotate("", xy=(x1, 2.0), xytext=(x0, 2.0), arrowprops={"arrowstyle": "->", "lw": 1.5})
+    ax.text((x0 + x1) / 2, 2.1, label, ha="center", va="bottom", fontsize=9, color="tab:red")
+for x in (10.5, 20.3):  # 残差相加：两个操作数都是 Shard(1)
+    ax.plot(x, 2.0, "o", markersize=18, markerfacecolor="white", markeredgecolor="black")
+    ax.text(x, 2.0, "+", ha="center", va="center", fontsize=12)
+    ax.text(x, 1.1, "(b, s/t, h)", ha="center", va="center", fontsize=9, color="dimgray")
+for x0, x1 in [(0.5, 10.5), (11.1, 20.3)]:  # 残差流绕过每个子层
+    ax.plot([x0, x0, x1], [2.45 if x0 < 1 else 2.0, 3.3, 3.3], color="gray", lw=1.2)
+    ax.annotate("", xy=(x1, 2.3), xytext=(x1, 3.3),
+                arrowprops={"arrowstyle": "->", "color": "gray"})
+ax.text(0.5, 2.0, "x\nShard(1)", ha="center", va="center", fontsize=9.5)
+ax.text(21.9, 2.0, "out\nShard(1)", ha="center", va="center", fontsize=9.5)
+ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=seq_color, alpha=0.3),
+                   plt.Rectangle((0, 0), 1, 1, color=tp_color, alpha=0.3)],
+          labels=["Shard(1): s/t tokens per rank", "TP: whole sequence, weights split"],
+          loc="lower center", ncol=2, fontsize=9, frameon=False)
+ax.set(xlim=(-0.3, 22.7), ylim=(0.2, 3.5))
+ax.set_title("One block with sequence parallel (lab03's block_plan), forward", fontsize=11)
+ax.axis("off")
+fig.subplots_adjust(left=0.0, right=1.0, bottom=0.0, top=0.9)
+plt.show()
+sp_cfg = lab.parse_config(["--tp", "1"])
+sp_cfg.sequence_parallel = True
+sp_plan = lab.block_plan(sp_cfg)
+for sublayer, row_parallel in [("attention", "attention.wo"), ("feed_forward", "feed_forward.w2")]:
+    assert sp_plan[sublayer].input_layouts == (Shard(1),)  # 进入时按序列分片……
+    assert sp_plan[sublayer].desired_input_layouts == (Replicate(),)  # ……再做 all-gather
+    assert sp_plan[row_parallel].output_layouts == (Shard(1),)  # 部分和经 reduce-scatter 输出
+assert {type(sp_plan[norm]).__name__ for norm in ("attention_norm", "ffn_norm")} == {
+    "SequenceParallel"}
+
+# %% [markdown]
+# 这些断言直接从实验的计划里读出上述布局；下文的[验证 Megatron-LM 的统计](#the-megatron-lm-count-checked)会在真实的一步里找到这两次 all-gather 和两次 reduce-scatter。
+#
+# 在 (2, 2) 网格上，每个权重最终都带有 2D 放置方式。下表列出 block 0 的参数在 rank 0（即 (dp, tp) = (0, 0)）上的样子。“sharded placements”列是每个网格轴上的放置方式，`"dp"` 在前。“sharded”列是两步之间的本地形状，也就是优化器实际更新的部分：每个做了 TP 的权重的四分之一。“tp-local”列是 FSDP 沿 `"dp"` 做完 all-gather（`unshard()`）之后的本地形状，即矩阵乘法用到的切片。
+#
+# `_StridedShard(dim=0, sf=2)` 标出 TP 和 FSDP 切分了同一维。`ColwiseParallel` 给每个 tp rank 分 wq 的 64 行中的 32 行，FSDP 的 `Shard(0)` 再沿 `"dp"` 把这 32 行切一次。于是 rank (dp d, tp t) 持有第 32 t + 16 d 到 32 t + 16 d + 15 行：dp 下标 0 持有第 0-15 行（在 tp rank 0 上）和第 32-47 行（在 tp rank 1 上），是跨步的，而不是在 `"dp"` 上用普通的 `Shard(0)` 会分到的第 0-31 行。`sf=2` 数的是先切出来的 tp 切片个数。
 
 # %%
 layout = [r["layout"] for r in tour]
@@ -209,9 +265,9 @@ assert wq["global"] == (64, 64) and wq["tp_local"] == (32, 64) and wq["sharded_l
 assert layout[0]["params"]["attention_norm.weight"]["tp_placements"] == "-"  # 普通参数：没有做 TP
 
 # %% [markdown]
-# `_StridedShard(dim=0, sf=2)` 是 FSDP 在说“我在 TP 切分的基础上，又把第 0 维切了一次”：dp 分片与 tp 分片交错排列，这样沿 `"dp"` 的 all-gather 恰好还原出 tp 本地的那些行。
+# 所以沿 `"dp"` 的 all-gather（例如 rank 0 和 2，都是 tp rank 0）恰好还原出 tp rank 0 的第 0-31 行，即 tp 本地的 (32, 64)。`wo` 和 `w2` 不需要跨步：TP 切的是它们的第 1 维，FSDP 切的是第 0 维。
 #
-# 不用序列并行时，归一化层的权重完全不参与 TP，所以它们只存在于 `"dp"` 网格上（这也是实验中的 `clip_grad_norm_` 要按网格对梯度分组的原因）。
+# 实验借助工具包中的 `clip_grad_norm_`（`labs/labkit/loop.py`）做梯度裁剪（`--clip`，默认 1.0）：每个 rank 先算自己那些梯度分片的范数，DTensor 的 `full_tensor()` 再沿每个网格轴对平方做 all-reduce，于是每个 rank 都按整个模型梯度的范数来裁剪。不用序列并行时，归一化层的权重不参与 TP，它们的梯度只在 `"dp"` 网格上，其余梯度在 `("dp", "tp")` 上；一次 `torch.stack` 不能混用不同的网格，所以实验先按网格分别求平方和，再合起来。
 #
 # ## 哪里会出错
 #
@@ -239,7 +295,7 @@ assert "Mesh should not be bigger than default world size" in mistakes["mesh_too
 #
 # 四个 rank，三种网格形状 (dp, tp) = (4, 1)、(2, 2)、(1, 4)，每种分别不带和带序列并行。每次运行都让每个 rank 的微批次保持为 4 条序列（`--batch-size 4 x dp`），这样比出来的差别只来自 TP 切分掉的那部分。
 #
-# `--check-parity` 在单个进程中用相同的 batch 训练，并以 fp32 逐一比较每个参数（误差在 1e-5 以内，见下文）；`--count-comms` 用 `CommDebugMode` 测量第 1 步，并统计 autograd 为反向保存的字节数。
+# `--check-parity` 在单个进程中用相同的 batch 训练，并以 fp32 逐一比较每个参数（误差在 1e-5 以内）；`--count-comms` 用 `CommDebugMode` 测量第 1 步，并统计 autograd 为反向保存的字节数。
 #
 # <details><summary>这几次运行是怎么启动的</summary>
 #
@@ -265,11 +321,136 @@ for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
 assert all(m["parity_max_abs_diff"] <= 1e-5 for m in runs.values())
 
 # %% [markdown]
-# 在每种网格上，fp32 一致性都在 1e-5 以内。这并非理所当然，原因见下一节。
+# 在每种网格上，fp32 一致性都在 1e-5 以内。这要靠各实验的学习率预热，原因由[小结之前的那一节](#why-fp32-parity-needs-warmup-adamws-first-step)实测。
 #
-# ### fp32 一致性为什么需要预热：AdamW 的第一步
+# ### 每个 rank 的显存占用与 tp 的关系
 #
-# 整门课程只在这里讲这个效应。任何并行运行的求和顺序都和单进程不同（TP 的半和、3 个 rank 上的 all-reduce），所以 fp32 结果的最后几位会不同，约为 1e-7。AdamW 的第一步会把它放大成一整步：这一步是 `lr * g / (|g| + eps)`，其中 eps = 1e-8；只要分量远大于 eps，不管它多大，这一步都约等于 `lr * sign(g)`。下面实测单个权重上的一次 AdamW 更新：
+# TP 切分激活值，2-D 网格切分状态。预期：随着 tp 增大，每个 rank 的状态保持不变，激活值下降：
+
+# %%
+tps = [1, 2, 4]
+state = [{k: v[0] for k, v in runs[t, False]["state_bytes_per_rank"].items()} for t in tps]
+acts = [runs[t, False]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
+acts_sp = [runs[t, t > 1]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+left.plot(tps, [(s["params"] + s["optimizer"]) / 2**20 for s in state], "o-")
+left.set(title="params + AdamW state per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
+         xticks=tps, ylim=(0, None))
+right.plot(tps, acts, "o-", label="TP")
+right.plot(tps, acts_sp, "s--", label="TP + sequence parallel")
+right.set(title="saved activations per rank (micro-batch 4)", xlabel="tp", ylabel="MiB",
+          xticks=tps, ylim=(0, None))
+right.legend()
+plt.show()
+print("activation MiB, TP:", [f"{x:.2f}" for x in acts], "TP+SP:", [f"{x:.2f}" for x in acts_sp])
+params = [s["params"] for s in state]
+assert max(params) < 1.01 * min(params)  # 2D 分片：每种设备网格形状都是 4 等分
+assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < acts[2]
+
+# %% [markdown]
+# 不论网格形状如何，参数和优化器状态都分布在全部四个 rank 上，所以曲线是平的（唯一的微小例外是归一化层权重：不用 SP 时，它们在 tp 轴上是复制的）。保存的激活值随 tp 增大而减少，启用序列并行后减少得更多，因为序列并行还切分了归一化层和残差流。
+#
+# ### 每步通信量与 tp 的关系
+#
+# tp 增大时，FSDP 的通信量减少，TP 的通信量出现：FSDP 传的是权重和梯度，TP 传的是激活值，而且每一层都有。下图把每个 rank 一步发送的字节数按这两部分分开。
+#
+# <details><summary>字节数是怎么统计的</summary>
+#
+# `CommDebugMode` 会记下每个集合通信的名字。TP 的集合通信来自 DTensor（`c10d_functional.*`），FSDP 的来自 `fully_shard`（`c10d.*`），所以按名字就能把一步的通信量清清楚楚地分成两部分。
+#
+# 实验工具包中的 `CommCounter`（`labs/labkit/probes.py`，见它的 `__torch_dispatch__`）按第 00 课的环形系数统计每个 rank *发送*的字节数：对 n 个 rank 的组和 S 字节的完整张量，all-reduce 发送 2 (n-1)/n x S，all-gather 或 reduce-scatter 发送 (n-1)/n x S。
+#
+# 如果改为统计“集合通信经手的张量”，就会混用两种口径：DTensor 的函数式 all-gather 只看到本地分片（统计时乘以 n - 1），而 FSDP 的 all-gather 看到的是聚合后的输出。
+# </details>
+
+# %%
+def wire_mib(metrics, prefix):
+    return sum(v for k, v in metrics["comm_wire_bytes_per_step"].items()
+               if k.startswith(prefix)) / 2**20
+
+
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for sp, style in [(False, "o-"), (True, "s--")]:
+    ax.plot(tps, [wire_mib(runs[t, sp and t > 1], "c10d_functional.") for t in tps], style,
+            label=f"TP collectives{' (SP)' if sp else ''}")
+ax.plot(tps, [wire_mib(runs[t, False], "c10d.") for t in tps], "^:", label="FSDP collectives")
+ax.set(title="bytes sent per step per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
+       xticks=tps)
+ax.legend()
+plt.show()
+fsdp = [wire_mib(runs[t, False], "c10d.") for t in tps]
+tp_traffic = [wire_mib(runs[t, False], "c10d_functional.") for t in tps]
+print("FSDP MiB:", [f"{x:.3f}" for x in fsdp], "TP MiB:", [f"{x:.3f}" for x in tp_traffic])
+assert fsdp[0] > fsdp[1] > fsdp[2] and tp_traffic[1] > 10 * tp_traffic[0]
+
+# %% [markdown]
+# FSDP 的通信量随 tp 增大而减少（每个 dp rank 只需 all-gather 自己的 tp 本地切片，dp = 1 时则根本无需 all-gather）；TP 的通信量在 tp > 1 时立即出现，而且与激活值大小相当。tp = 1 时，TP 一侧仅剩的集合通信是梯度裁剪中梯度范数的归约（每步只有几个标量）。
+#
+# ### 验证 Megatron-LM 的统计
+#
+# 按每个 block 计，这一分析预测：不用 SP 时，前向两次 all-reduce（在 `wo` 和 `w2` 之后），反向两次（注意力和 MLP 之前的 `f`）；用 SP 时，每次 all-reduce 都变成一对 all-gather / reduce-scatter；另外每个归一化层还要为其权重梯度做一次小的 all-reduce，因为每个 rank 只看到了自己的 token，这个梯度只是部分和。
+
+# %%
+def tp_only(counts):
+    return {k.split(".")[-1]: v for k, v in counts.items() if k.startswith("c10d_functional.")}
+
+
+for sp in (False, True):
+    block = runs[2, sp]["comm_counts_block0"]
+    print(f"SP {sp}: forward {tp_only(block['forward'])} | backward {tp_only(block['backward'])}")
+assert tp_only(runs[2, False]["comm_counts_block0"]["forward"]) == {"all_reduce": 2}
+assert tp_only(runs[2, False]["comm_counts_block0"]["backward"]) == {"all_reduce": 2}
+assert tp_only(runs[2, True]["comm_counts_block0"]["forward"]) == {
+    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+assert tp_only(runs[2, True]["comm_counts_block0"]["backward"]) == {
+    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
+
+# %% [markdown]
+# 一次 all-reduce 的开销等于一次 reduce-scatter 加一次 all-gather（环形 all-reduce 本来就是这样实现的：2 (n-1)/n = (n-1)/n + (n-1)/n），所以序列并行发送的字节数与普通 TP 相同，却把普通 TP 整份保留的那些激活值也分片了。
+#
+# 实测下来，每步、每个 rank 上唯一的区别，是 SP 额外对每个归一化层的权重梯度做的 all-reduce（这里有 5 个归一化层，每个 64 个 fp32 值；一般为 `2 x num_layers + 1` 个）：
+
+# %%
+defaults = lab.parse_config(["--tp", "1"])  # 上面几次运行训练的模型
+num_norms = 2 * defaults.num_layers + 1     # 每个 block 两个，外加最后一个
+for t in (2, 4):
+    tp_bytes = wire_mib(runs[t, False], "c10d_functional.") * 2**20
+    sp_bytes = wire_mib(runs[t, True], "c10d_functional.") * 2**20
+    norm_grads = num_norms * defaults.dim * 4 * 2 * (t - 1) / t  # 每个 norm 一次 all-reduce
+    print(f"tp = {t}: TP {tp_bytes:,.0f} B, TP + SP {sp_bytes:,.0f} B "
+          f"(difference {sp_bytes - tp_bytes:,.0f} B; norm weight grads {norm_grads:,.0f} B)")
+    assert abs(sp_bytes - tp_bytes - norm_grads) <= 64  # 梯度范数用到的几个 4 字节标量
+    assert abs(sp_bytes / tp_bytes - 1) < 0.01
+
+# %% [markdown]
+# ## 一个完整的集群规划示例
+#
+# 8 个节点 x 8 块 GPU = 64 个 rank，tp = 4。网格必须覆盖每一个 rank：dp = 64 / 4 = 16，所以写成 `init_device_mesh("cuda", (16, 4), mesh_dim_names=("dp", "tp"))`（实验用 `init_mesh` 构建同样的布局，它还会给每个轴都设上作业的超时时间）。
+#
+# 常见的错误是写成 `(8, 4)`：那只有 32 个 rank。网格大于 world size 会报错（见上文）；小于 world size 则会不声不响地把一部分 rank 晾在外面。
+#
+# 把 `"tp"` 放在最后一个轴，每个 TP 组就是 4 个连续的 rank；而 torchrun 给同一节点上的 rank 连续编号，所以 TP 永远不会跨节点：
+
+# %%
+nodes, gpus_per_node, tp = 8, 8, 4
+world = nodes * gpus_per_node
+mesh = torch.arange(world).reshape(world // tp, tp)  # 与 init_device_mesh 的排布相同
+tp_groups, dp_groups = mesh.tolist(), mesh.t().tolist()
+print(f"mesh {tuple(mesh.shape)}; TP group of rank 13: {tp_groups[13 // tp]}; "
+      f"its dp group: {dp_groups[13 % tp]}")
+assert tuple(mesh.shape) == (16, 4) and 8 * 4 != world
+assert all(len({r // gpus_per_node for r in group}) == 1 for group in tp_groups)  # 每组一个节点
+assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp 组跨越所有节点
+
+# %% [markdown]
+# 计划要逐个 block 应用（`for block in model.layers.values(): parallelize_module(block,
+# mesh["tp"], block_plan)`），绝不能拿 block 级的相对键在根模块上一次性应用：这些键在根模块上什么也匹配不到，而且如上所示，PyTorch 只会发出警告。
+#
+# ## fp32 一致性为什么需要预热：AdamW 的第一步
+#
+# 上面几次实验运行在 fp32 下与单进程的差距都在 1e-5 以内，这只是因为各实验让学习率从 0 开始预热。本节实测其中的原因（整门课程只在这里讲这个效应）。
+#
+# 任何并行运行的求和顺序都和单进程不同（TP 的半和、3 个 rank 上的 all-reduce），所以 fp32 结果的最后几位会不同，约为 1e-7。AdamW 的第一步会把它放大成一整步：这一步是 `lr * g / (|g| + eps)`，其中 eps = 1e-8；只要分量远大于 eps，不管它多大，这一步都约等于 `lr * sign(g)`。下面实测单个权重上的一次 AdamW 更新：
 
 # %%
 def first_adamw_step(grad, lr=3e-3):
@@ -332,125 +513,6 @@ assert gaps[0] > 1e-5 and gaps[1] < 1e-10 and gaps[2] < 1e-6
 
 # %% [markdown]
 # 不预热时，有少数参数相差约 1e-4，而损失值一致；换成 float64，同一个程序一致到约 1e-13，所以 fp32 下的差距是 AdamW 放大了的舍入误差，不是 bug。加上预热后，fp32 一致性回到约 1e-7。你自己的一致性检查如果只差一点没通过，用 `--parity-dtype float64` 来判断：两种 dtype 下都有差距，是 bug；只在 fp32 下有差距，是舍入误差。
-#
-# ### 每个 rank 的显存占用与 tp 的关系
-#
-# TP 切分激活值，2-D 网格切分状态。预期：随着 tp 增大，每个 rank 的状态保持不变，激活值下降：
-
-# %%
-tps = [1, 2, 4]
-state = [{k: v[0] for k, v in runs[t, False]["state_bytes_per_rank"].items()} for t in tps]
-acts = [runs[t, False]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
-acts_sp = [runs[t, t > 1]["activation_bytes_per_rank"][0] / 2**20 for t in tps]
-fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-left.plot(tps, [(s["params"] + s["optimizer"]) / 2**20 for s in state], "o-")
-left.set(title="params + AdamW state per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
-         xticks=tps, ylim=(0, None))
-right.plot(tps, acts, "o-", label="TP")
-right.plot(tps, acts_sp, "s--", label="TP + sequence parallel")
-right.set(title="saved activations per rank (micro-batch 4)", xlabel="tp", ylabel="MiB",
-          xticks=tps, ylim=(0, None))
-right.legend()
-plt.show()
-print("activation MiB, TP:", [f"{x:.2f}" for x in acts], "TP+SP:", [f"{x:.2f}" for x in acts_sp])
-params = [s["params"] for s in state]
-assert max(params) < 1.01 * min(params)  # 2D 分片：每种设备网格形状都是 4 等分
-assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < acts[2]
-
-# %% [markdown]
-# 不论网格形状如何，参数和优化器状态都分布在全部四个 rank 上，所以曲线是平的（唯一的微小例外是归一化层权重：不用 SP 时，它们在 tp 轴上是复制的）。保存的激活值随 tp 增大而减少，启用序列并行后减少得更多，因为序列并行还切分了归一化层和残差流。
-#
-# ### 每步通信量与 tp 的关系
-#
-# tp 增大时，FSDP 的通信量减少，TP 的通信量出现：与激活值同样大，而且每一层都有。`CommDebugMode` 会记下每个集合通信的名字。TP 的集合通信来自 DTensor（`c10d_functional.*`），FSDP 的来自 `fully_shard`（`c10d.*`），所以一步的通信量能清清楚楚地分成两部分。
-#
-# 实验工具包（`labs/labkit/probes.py`）中的 `CommCounter` 按第 00 课的环形系数统计每个 rank *发送*的字节数：对 n 个 rank 的组和 S 字节的完整张量，all-reduce 发送 2 (n-1)/n x S，all-gather 或 reduce-scatter 发送 (n-1)/n x S。（如果改为统计“集合通信经手的张量”，就会混用两种口径：DTensor 的函数式 all-gather 只看到本地分片，而 FSDP 的 all-gather 看到的是聚合后的输出。）
-
-# %%
-print(inspect.getsource(CommCounter.__torch_dispatch__))
-
-
-def wire_mib(metrics, prefix):
-    return sum(v for k, v in metrics["comm_wire_bytes_per_step"].items()
-               if k.startswith(prefix)) / 2**20
-
-
-fig, ax = plt.subplots(figsize=(6, 3.5))
-for sp, style in [(False, "o-"), (True, "s--")]:
-    ax.plot(tps, [wire_mib(runs[t, sp and t > 1], "c10d_functional.") for t in tps], style,
-            label=f"TP collectives{' (SP)' if sp else ''}")
-ax.plot(tps, [wire_mib(runs[t, False], "c10d.") for t in tps], "^:", label="FSDP collectives")
-ax.set(title="bytes sent per step per rank", xlabel="tp (dp = 4 / tp)", ylabel="MiB",
-       xticks=tps)
-ax.legend()
-plt.show()
-fsdp = [wire_mib(runs[t, False], "c10d.") for t in tps]
-tp_traffic = [wire_mib(runs[t, False], "c10d_functional.") for t in tps]
-print("FSDP MiB:", [f"{x:.3f}" for x in fsdp], "TP MiB:", [f"{x:.3f}" for x in tp_traffic])
-assert fsdp[0] > fsdp[1] > fsdp[2] and tp_traffic[1] > 10 * tp_traffic[0]
-
-# %% [markdown]
-# FSDP 的通信量随 tp 增大而减少（每个 dp rank 只需 all-gather 自己的 tp 本地切片，dp = 1 时则根本无需 all-gather）；TP 的通信量在 tp > 1 时立即出现，而且与激活值大小相当。tp = 1 时，TP 一侧仅剩的集合通信是梯度范数的归约。
-#
-# ### 验证 Megatron-LM 的统计
-#
-# 按每个 block 计，这一分析预测：不用 SP 时，前向两次 all-reduce（在 `wo` 和 `w2` 之后），反向两次（注意力和 MLP 之前的 `f`）；用 SP 时，每次 all-reduce 都变成一对 all-gather / reduce-scatter；另外每个归一化层还要为其权重梯度做一次小的 all-reduce，因为每个 rank 只看到了自己的 token，这个梯度只是部分和。
-
-# %%
-def tp_only(counts):
-    return {k.split(".")[-1]: v for k, v in counts.items() if k.startswith("c10d_functional.")}
-
-
-for sp in (False, True):
-    block = runs[2, sp]["comm_counts_block0"]
-    print(f"SP {sp}: forward {tp_only(block['forward'])} | backward {tp_only(block['backward'])}")
-assert tp_only(runs[2, False]["comm_counts_block0"]["forward"]) == {"all_reduce": 2}
-assert tp_only(runs[2, False]["comm_counts_block0"]["backward"]) == {"all_reduce": 2}
-assert tp_only(runs[2, True]["comm_counts_block0"]["forward"]) == {
-    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
-assert tp_only(runs[2, True]["comm_counts_block0"]["backward"]) == {
-    "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
-
-# %% [markdown]
-# 一次 all-reduce 的开销等于一次 reduce-scatter 加一次 all-gather（环形 all-reduce 本来就是这样实现的：2 (n-1)/n = (n-1)/n + (n-1)/n），所以序列并行发送的字节数与普通 TP 相同，却把普通 TP 整份保留的那些激活值也分片了。
-#
-# 实测下来，每步、每个 rank 上唯一的区别，是 SP 额外对每个归一化层的权重梯度做的 all-reduce（这里有 5 个归一化层，每个 64 个 fp32 值；一般为 `2 x num_layers + 1` 个）：
-
-# %%
-defaults = lab.parse_config(["--tp", "1"])  # 上面几次运行训练的模型
-num_norms = 2 * defaults.num_layers + 1     # 每个 block 两个，外加最后一个
-for t in (2, 4):
-    tp_bytes = wire_mib(runs[t, False], "c10d_functional.") * 2**20
-    sp_bytes = wire_mib(runs[t, True], "c10d_functional.") * 2**20
-    norm_grads = num_norms * defaults.dim * 4 * 2 * (t - 1) / t  # 每个 norm 一次 all-reduce
-    print(f"tp = {t}: TP {tp_bytes:,.0f} B, TP + SP {sp_bytes:,.0f} B "
-          f"(difference {sp_bytes - tp_bytes:,.0f} B; norm weight grads {norm_grads:,.0f} B)")
-    assert abs(sp_bytes - tp_bytes - norm_grads) <= 64  # 梯度范数用到的几个 4 字节标量
-    assert abs(sp_bytes / tp_bytes - 1) < 0.01
-
-# %% [markdown]
-# ## 一个完整的集群规划示例
-#
-# 8 个节点 x 8 块 GPU = 64 个 rank，tp = 4。网格必须覆盖每一个 rank：dp = 64 / 4 = 16，所以写成 `init_device_mesh("cuda", (16, 4), mesh_dim_names=("dp", "tp"))`（实验用 `init_mesh` 构建同样的布局，它还会给每个轴都设上作业的超时时间）。
-#
-# 常见的错误是写成 `(8, 4)`：那只有 32 个 rank。网格大于 world size 会报错（见上文）；小于 world size 则会不声不响地把一部分 rank 晾在外面。
-#
-# 把 `"tp"` 放在最后一个轴，每个 TP 组就是 4 个连续的 rank；而 torchrun 给同一节点上的 rank 连续编号，所以 TP 永远不会跨节点：
-
-# %%
-nodes, gpus_per_node, tp = 8, 8, 4
-world = nodes * gpus_per_node
-mesh = torch.arange(world).reshape(world // tp, tp)  # 与 init_device_mesh 的排布相同
-tp_groups, dp_groups = mesh.tolist(), mesh.t().tolist()
-print(f"mesh {tuple(mesh.shape)}; TP group of rank 13: {tp_groups[13 // tp]}; "
-      f"its dp group: {dp_groups[13 % tp]}")
-assert tuple(mesh.shape) == (16, 4) and 8 * 4 != world
-assert all(len({r // gpus_per_node for r in group}) == 1 for group in tp_groups)  # 每组一个节点
-assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp 组跨越所有节点
-
-# %% [markdown]
-# 计划要逐个 block 应用（`for block in model.layers.values(): parallelize_module(block,
-# mesh["tp"], block_plan)`），绝不能拿 block 级的相对键在根模块上一次性应用：这些键在根模块上什么也匹配不到，而且如上所示，PyTorch 只会发出警告。
 #
 # ## 小结
 #
