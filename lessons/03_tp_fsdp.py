@@ -70,6 +70,11 @@ from spawn import launch_lab, run_workers  # noqa: E402
 # | TP | s b h (10 + 24 / t + 5 a s / (h t)) |
 # | TP + sequence parallel | s b h (34 / t + 5 a s / (h t)) |
 #
+# The 5 a s / h terms are the stored s x s attention scores, which FlashAttention does not keep
+# (lesson 02 counts the difference: about 485 against 85 GiB at t = 1), and the 34 assumes
+# standard multi-head attention and a 4h GELU MLP; for Llama the figures below are an upper
+# estimate, and what TP and SP divide stays the same.
+#
 # For a Llama-2-70B-sized layer (h = 8192, a = 64, 80 layers) at s = 4096, b = 1:
 
 # %%
@@ -117,7 +122,7 @@ assert tp_bytes_per_rank / 50e9 > 5 * tp_bytes_per_rank / 450e9
 # (70e9 x 2 B / 8, about 17.5 GB), in the forward and again in the backward of *every*
 # micro-batch (gradient accumulation does not save those), and reduce-scatters the gradients
 # once per step. But nothing inside a layer waits for it: the next block's all-gather can run
-# while this block computes (on a GPU, on a stream of its own; lesson 06 traces it). TP's all-reduces sit between two matmuls of the same layer, so nothing hides them.
+# while this block computes (on a GPU, on a stream of its own; lesson 06 explains how). TP's all-reduces sit between two matmuls of the same layer, so nothing hides them.
 # Hence the 2D layout: **TP inside a node, on the fast links; FSDP across nodes.**
 #
 # ## From scratch: column-parallel, then row-parallel
@@ -420,7 +425,7 @@ assert acts[0] > acts[1] > acts[2] and acts_sp[1] < acts[1] and acts_sp[2] < act
 
 # %% [markdown]
 # Parameters and optimizer state are split over all four ranks whatever the shape, so they stay
-# flat (the norm weights, replicated over tp without SP, are the one tiny exception). Saved activations fall as tp grows, and fall further with sequence parallel, which also
+# flat (the norm weights, replicated over tp with or without SP, are the one tiny exception). Saved activations fall as tp grows, and fall further with sequence parallel, which also
 # splits the norms and the residual stream.
 #
 # ### Communication per step against tp

@@ -203,7 +203,7 @@ def step_phases(events, blocks=("layers.0", "layers.1")):
 FLAG_ROWS = {
     "fp32 (default)": [],
     # --mixed-precision auto follows --amp: fp32 here keeps this row autocast alone.
-    "--amp bf16": ["--amp", "bf16", "--mixed-precision", "fp32"],
+    "--amp bf16 --mixed-precision fp32": ["--amp", "bf16", "--mixed-precision", "fp32"],
     "--mixed-precision bf16": ["--mixed-precision", "bf16"],
     "--activation-checkpointing": ["--activation-checkpointing"],
     "--cpu-offload": ["--cpu-offload"],

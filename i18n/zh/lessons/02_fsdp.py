@@ -298,8 +298,14 @@ print(f"activations: {activations_70b / 2**30:.0f} GiB per rank, against "
       f"{e70.total_bytes / 2**30:.1f} GiB of sharded state")
 assert 480 < activations_70b / 2**30 < 490  # 约 485 GiB：约为表中所列状态的 30 倍
 assert activations_70b > 25 * e70.total_bytes
+# FlashAttention（SDPA 的融合 kernel）不存 s x s 的注意力分数：去掉 5 a s / h 这一项。
+activations_70b_flash = num_layers * s * b * h * 34
+print(f"without stored attention scores: {activations_70b_flash / 2**30:.0f} GiB per rank")
+assert 80 < activations_70b_flash / 2**30 < 90 and activations_70b_flash > 4 * e70.total_bytes
 
 # %% [markdown]
+# 5 a s / h 这一项是注意力分数、softmax 输出和 dropout 掩码，每个头 s x s：这里占了 194 中的 160。FlashAttention（GPU 上 `scaled_dot_product_attention` 所用的实现）不存这些，反向时重算，剩下约 85 GiB，仍是状态的五倍。34 这一项假设的是标准多头注意力和带 dropout 的 4h GELU MLP；Llama 的分组查询注意力和 SwiGLU 会让它变动几个单位，但不改变结论。
+#
 # 所以训练 70B 模型还需要激活检查点（又称激活重计算：用重计算代替存储）、张量并行或序列并行（第 03 课），或者流水线阶段（第 04 课）。
 #
 # 下一项是*临时的未分片单元*：单元（通常是一个 transformer block）在计算时必须是完整的。一个 Llama-2-70B block（dim 8192，MLP 隐藏层 28672，8 个 128 维的 KV head）约有 0.86B 参数，bf16 下为 1.6 GiB；在预取下一个 block 期间，约为它的两倍：
@@ -348,11 +354,11 @@ assert losses[-1] < 0.7 * losses[0]
 # %%
 rows = {label: run_workers(fsdp_workers.flag_matrix_row, 2, label, timeout_s=300)[0]
         for label in fsdp_workers.FLAG_ROWS}
-print(f"{'flags':28s}{'state B':>9s}{'all-gather B':>13s}{'red.-scatter B':>15s}"
+print(f"{'flags':34s}{'state B':>9s}{'all-gather B':>13s}{'red.-scatter B':>15s}"
       f"{'saved act. B':>13s}{'weight / act.':>17s}{'1st step':>10s}{'step':>8s}")
 for label, r in rows.items():
     state = sum(r["state"].values())
-    print(f"{label:28s}{state:9,d}{r['wire_bytes']['c10d._allgather_base_']:13,d}"
+    print(f"{label:34s}{state:9,d}{r['wire_bytes']['c10d._allgather_base_']:13,d}"
           f"{r['wire_bytes']['c10d._reduce_scatter_base_']:15,d}"
           f"{r['saved_activation_bytes']:13,d}"
           f"{r['dtypes']['weight'] + ' / ' + r['dtypes']['activation']:>17s}"
@@ -360,10 +366,10 @@ for label, r in rows.items():
 base = rows["fp32 (default)"]
 gather = {label: r["wire_bytes"]["c10d._allgather_base_"] for label, r in rows.items()}
 assert all(r["state"] == base["state"] for r in rows.values())  # 分片的状态：始终是 fp32
-assert gather["--mixed-precision bf16"] * 2 == gather["fp32 (default)"] == gather["--amp bf16"]
+assert gather["--mixed-precision bf16"] * 2 == gather["fp32 (default)"] == gather["--amp bf16 --mixed-precision fp32"]
 assert all(r["wire_bytes"]["c10d._reduce_scatter_base_"] == base["wire_bytes"]["c10d._reduce_scatter_base_"]
            for r in rows.values())  # reduce_dtype 为 fp32：每一行里梯度都以 fp32 传输
-assert rows["--amp bf16"]["dtypes"] == {"weight": "float32", "activation": "bfloat16"}
+assert rows["--amp bf16 --mixed-precision fp32"]["dtypes"] == {"weight": "float32", "activation": "bfloat16"}
 assert rows["--mixed-precision bf16"]["dtypes"] == {"weight": "bfloat16", "activation": "bfloat16"}
 assert rows["--activation-checkpointing"]["saved_activation_bytes"] < base["saved_activation_bytes"] / 5
 assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
@@ -371,7 +377,7 @@ assert rows["--compile"]["first_step_s"] > 5 * rows["--compile"]["step_s"]
 # %% [markdown]
 # 逐行解读这张表：
 #
-# - **`--amp bf16`**（配合 `--mixed-precision fp32` 运行，因为这个策略的默认值 `auto` 会跟随 `--amp`）只开 autocast，与 lab01 中一样：前向中权重仍是 fp32，每个 matmul 把输入转换成 bf16，所以*激活值*是 bf16（保存的字节更少），而 FSDP 仍然 all-gather fp32 权重：网络上传输的字节一点没少。
+# - **`--amp bf16 --mixed-precision fp32`** 只开 autocast（加 `--mixed-precision fp32`，是因为这个策略的默认值 `auto` 会跟随 `--amp`），与 lab01 中一样：前向中权重仍是 fp32，每个 matmul 把输入转换成 bf16，所以*激活值*是 bf16（保存的字节更少），而 FSDP 仍然 all-gather fp32 权重：网络上传输的字节一点没少。
 # - **`--mixed-precision bf16`** 是 FSDP 自己的 `MixedPrecisionPolicy(param_dtype=bfloat16,
 #   reduce_dtype=float32)`：FSDP 在 all-gather *之前*就把每个分片转换成 bf16，所以 gather 传输的字节减半，block 也用 bf16 计算；梯度仍以 fp32 做 reduce-scatter，分片后的参数和 AdamW 状态也仍是 fp32。它不需要 autocast：在前向和反向传播中，参数本身就是 bf16。在 GPU 上这是实验的默认设置（`--mixed-precision auto` 跟随 `--amp`：GPU 支持 bf16 时用 bf16，不支持时用 fp16 加 GradScaler）；在 CPU 上默认仍是 fp32，以保证一致性。
 # - **`--activation-checkpointing`** 只保留每个 block 的输入，其余的在反向传播中重新计算：保存的激活值字节数不到默认的五分之一（有断言），代价是每个 block 多做一次前向。重计算时，参数已经为反向传播 gather 好了，所以不会增加通信字节。
