@@ -18,6 +18,7 @@ tests/test_onboarding.py runs every worked answer and every typical wrong answer
 against these checks.
 """
 
+import contextlib
 import json
 import math
 import re
@@ -40,23 +41,32 @@ def close(value, want, rel=1e-9):
     return abs(value - want) <= rel * abs(want)
 
 
+@contextlib.contextmanager
+def fake_world(rank, world_size):
+    """This process plays `rank` of `world_size` on torch's fake process group (a test utility
+    shipped with torch): the real code path runs, no data moves."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------ lesson 00: collectives
 def check_0_1(ring_bytes_sent):
     """ring_bytes_sent(numel, n, rank) equals what the lesson's ring_all_reduce sends."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import collective_workers
 
     for numel, n in [(1000, 4), (1001, 3), (10, 4), (7, 8)]:
         for rank in range(n):
             # One process plays each rank in turn: the lesson's own ring runs, no data moves.
-            dist.init_process_group("fake", rank=rank, world_size=n, store=FakeStore())
-            try:
+            with fake_world(rank, n):
                 sent = collective_workers.ring_all_reduce(torch.zeros(numel))
-            finally:
-                dist.destroy_process_group()
             require(ring_bytes_sent(numel, n, rank) == sent,
                     f"ring_bytes_sent({numel}, {n}, {rank}) is not what rank {rank} sends: "
                     "which chunk does it send at each step, and how large is that chunk?")
@@ -81,23 +91,19 @@ def pattern_bytes(n, dim, hidden, batch):
     tp_pattern and ddp_pattern on make_problem's tensors: the lesson's own patterns, run on the
     fake process group, counted by the lab kit's CommCounter with lesson 00's ring factor."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import collective_workers
     from labkit.probes import CommCounter
 
     w1, w2, x = collective_workers.make_problem(dim=dim, hidden=hidden, batch=batch)
     sent = {}
-    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
-    try:
+    with fake_world(0, n):
         for name, pattern in (("tp", collective_workers.tp_pattern),
                               ("ddp", collective_workers.ddp_pattern)):
             counter = CommCounter({"world": dist.group.WORLD})
             with counter:
                 pattern(0, n, w1, w2, x)
             sent[name] = counter.wire_bytes["c10d.allreduce_"]
-    finally:
-        dist.destroy_process_group()
     return sent
 
 
@@ -111,7 +117,7 @@ def check_0_3(tp_bytes, ddp_bytes, break_even_batch):
                     f"{name}_bytes({batch}, {dim}, {hidden}, {n}) is not what rank 0 sends in "
                     f"{name}_pattern's all-reduce: how large is {what} it reduces, and what "
                     "does a ring send of it?")
-        # Both grow linearly: TP's with the batch, DDP's not at all.
+        # TP's grows with the batch; DDP's is constant.
         per_sample = sent["tp"] / batch
         require(abs(break_even_batch(dim, hidden) - sent["ddp"] / per_sample) < 1e-9,
                 f"break_even_batch({dim}, {hidden}): at that batch the two all-reduces do not "
@@ -306,19 +312,15 @@ def check_3_1(mesh_shape, tp_group_of_13, dp_group_of_13):
     """The (dp, tp) mesh of 8 x 8 GPUs at TP 4, and rank 13's groups in it."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     require(mesh_shape[0] * mesh_shape[1] == 64, "mesh_shape must cover every rank")
     require(len({rank // 8 for rank in tp_group_of_13}) == 1,
             "tp_group_of_13 leaves the node: TP must stay on one node's 8 GPUs")
-    dist.init_process_group("fake", rank=13, world_size=64, store=FakeStore())
-    try:
+    with fake_world(13, 64):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
         for axis, answer in (("tp", tp_group_of_13), ("dp", dp_group_of_13)):
             require(dist.get_process_group_ranks(mesh.get_group(axis)) == answer,
                     f"{axis}_group_of_13 is not rank 13's {axis} group on that mesh")
-    finally:
-        dist.destroy_process_group()
 
 
 def check_3_2(tp_mlp):
@@ -342,16 +344,12 @@ def check_3_2(tp_mlp):
 
 
 def lab03_wire_bytes(tp, batch, vocab_size, loss_parallel):
-    """{collective: bytes} rank 0 of a tp group sends in one forward and backward of lab03's
-    model under the lab's TP plan (no FSDP, no sequence parallel), on the fake process group,
-    counted by the lab kit's CommCounter."""
-    import contextlib
-
+    """({collective: bytes}, seq_len): what rank 0 of a tp group sends in one forward and
+    backward of lab03's model under the lab's TP plan (no FSDP, no sequence parallel), on the
+    fake process group, counted by the lab kit's CommCounter."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import lab03_tp_fsdp
     from labkit.model import build_model, loss_fn
@@ -360,8 +358,7 @@ def lab03_wire_bytes(tp, batch, vocab_size, loss_parallel):
     cfg = lab03_tp_fsdp.parse_config(["--tp", "1", "--num-heads", "8",
                                       "--vocab-size", str(vocab_size)])
     cfg.tp, cfg.loss_parallel = tp, loss_parallel  # the plan's inputs; the world is faked
-    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
-    try:
+    with fake_world(0, tp):
         mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
         model = build_model(cfg)
         lab03_tp_fsdp.apply_tp(model, mesh["tp"], cfg)
@@ -369,8 +366,6 @@ def lab03_wire_bytes(tp, batch, vocab_size, loss_parallel):
         counter = CommCounter({"tp": mesh["tp"].get_group()})
         with counter, parallel_loss() if loss_parallel else contextlib.nullcontext():
             loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    finally:
-        dist.destroy_process_group()
     return dict(counter.wire_bytes), cfg.seq_len
 
 
@@ -437,20 +432,15 @@ def schedule_in_flight(schedule, pp, microbatches):
     the action order the schedule class builds (pipeline_order; on the fake process group, as
     rank 0 of pp), read as lab04's timeline reads a run (labkit.timeline)."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from labkit.pipeline import schedule_class
     from labkit.timeline import microbatches_in_flight
 
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-    dist.init_process_group("fake", rank=0, world_size=pp, store=FakeStore())
-    try:
+    with fake_world(0, pp):
         stage = PipelineStage(torch.nn.Linear(2, 2), 0, pp, torch.device("cpu"))
         order = schedule_class(schedule)(stage, microbatches).pipeline_order
-    finally:
-        dist.destroy_process_group()
     # One slot per action: (kind, stage, microbatch, start, end), as the timeline records them.
     return [microbatches_in_flight([(kinds.get(a.computation_type.name, "-"), a.stage_index,
                                      a.microbatch_index, slot, slot)
@@ -684,7 +674,7 @@ def check_8_3(dispatch_splits):
         ranks = run_workers(moe_dispatch_splits, world_size, 24, skew, timeout_s=60)
         expert_ids = [r["expert_ids"] for r in ranks]
         for rank, r in enumerate(ranks):
-            sizes = dispatch_splits(expert_ids, rank, world_size, moe_workers.NUM_EXPERTS)
+            sizes = tuple(dispatch_splits(expert_ids, rank, world_size, moe_workers.NUM_EXPERTS))
             require(len(sizes) == 2, "want (input_split_sizes, output_split_sizes)")
             for mine, key in zip(sizes, ("input", "output")):
                 require(list(mine) == r["dispatch"][key],

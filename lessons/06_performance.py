@@ -53,8 +53,10 @@
 # torchrun's per-rank variables, but fork each rank from a server that has already imported
 # torch (`launch_lab` in `lessons/spawn.py`): a fresh torchrun spends about 10 s of a 2-core
 # machine importing torch in three processes. Only the communication benchmark inside
-# `perf_model.py --check` starts real torchrun. Forked ranks and real torchrun give the same
-# timings, within the run-to-run spread of the next box.
+# `perf_model.py --check` starts real torchrun. Forked ranks and real torchrun measured the
+# same pipeline bubble within the run-to-run spread: GPipe's median step +3% to +13% against
+# the formula for its stages with forked ranks, -2% to +9% with torchrun (2026-12-03, 3 and 4
+# runs of 8 steps).
 # </details>
 #
 # <details><summary>Why wall-clock figures move on a shared CPU</summary>
@@ -63,7 +65,8 @@
 # the share of each core it gets varies from minute to minute, so a timing can move by tens of
 # percent between runs, and one rank's core can run slower than the other's for a whole run.
 # The cells therefore assert what the code guarantees (orders of operations, formulas, loose
-# bounds) and print the times. The ranges seen between runs of this lesson on a 2-core VM:
+# bounds) and print the times. The ranges seen between runs of this lesson on a 2-core VM,
+# 2026-12-01 to 2026-12-04 (section 3's with runs of 8 steps; the cell now runs 6):
 #
 # - section 1: the matmul peak 125 to 154 GFLOP/s, and MFU at width 1024 from 40% to about 70%;
 # - section 2: async FSDP2's profiled step from no faster than the blocking one (599 against
@@ -395,7 +398,7 @@ assert by_name["c10d::_reduce_scatter_base_"] == 2 * 3 and by_name["aten::mm"] >
 # ## 3. The pipeline bubble, where compute dominates
 #
 # With stages heavy enough, a pipelined step idles about as much as the formula says once the
-# formula is given the stages' real times, and the interleaved schedule idles least. The
+# formula is given the stages' real times, and the interleaved schedule's order idles least. The
 # schedule's own order, re-timed with equal stages, idles exactly the formula's share
 # (asserted).
 #
