@@ -554,12 +554,19 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp spans all 
 # whatever its size. One AdamW step on one weight, measured:
 
 # %%
-def first_adamw_step(grad, lr=3e-3):
+def adamw_steps(grads, lrs):
+    """One weight after AdamW steps with these gradients and learning rates."""
     weight = torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.AdamW([weight], lr=lr, weight_decay=0.0)
-    weight.grad = torch.tensor([grad])
-    optimizer.step()
-    return abs(weight.item())
+    optimizer = torch.optim.AdamW([weight], lr=lrs[0], weight_decay=0.0)
+    for grad, lr in zip(grads, lrs):
+        optimizer.param_groups[0]["lr"] = lr
+        weight.grad = torch.tensor([grad])
+        optimizer.step()
+    return weight.item()
+
+
+def first_adamw_step(grad, lr=3e-3):
+    return abs(adamw_steps([grad], [lr]))
 
 
 for grad in (1e-2, 1e-6, 1e-7, 1e-8, 1e-12):
@@ -577,17 +584,6 @@ assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # far below eps: proport
 # is real:
 
 # %%
-def adamw_steps(grads, lrs):
-    """One weight after AdamW steps with these gradients and learning rates."""
-    weight = torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.AdamW([weight], lr=lrs[0], weight_decay=0.0)
-    for grad, lr in zip(grads, lrs):
-        optimizer.param_groups[0]["lr"] = lr
-        weight.grad = torch.tensor([grad])
-        optimizer.step()
-    return weight.item()
-
-
 default = lab.parse_config([])
 schedules = {"no warmup": [default.lr] * 2,
              "warmup": [learning_rate(default, step) for step in (1, 2)]}

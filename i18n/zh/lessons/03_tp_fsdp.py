@@ -455,12 +455,19 @@ assert len({r // gpus_per_node for r in dp_groups[0]}) == nodes  # dp 组跨越�
 # 任何并行运行的求和顺序都和单进程不同（TP 的半和、3 个 rank 上的 all-reduce），所以 fp32 结果的最后几位会不同，约为 1e-7。AdamW 的第一步会把它放大成一整步：这一步是 `lr * g / (|g| + eps)`，其中 eps = 1e-8；只要分量远大于 eps，不管它多大，这一步都约等于 `lr * sign(g)`。下面实测单个权重上的一次 AdamW 更新：
 
 # %%
-def first_adamw_step(grad, lr=3e-3):
+def adamw_steps(grads, lrs):
+    """One weight after AdamW steps with these gradients and learning rates."""
     weight = torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.AdamW([weight], lr=lr, weight_decay=0.0)
-    weight.grad = torch.tensor([grad])
-    optimizer.step()
-    return abs(weight.item())
+    optimizer = torch.optim.AdamW([weight], lr=lrs[0], weight_decay=0.0)
+    for grad, lr in zip(grads, lrs):
+        optimizer.param_groups[0]["lr"] = lr
+        weight.grad = torch.tensor([grad])
+        optimizer.step()
+    return weight.item()
+
+
+def first_adamw_step(grad, lr=3e-3):
+    return abs(adamw_steps([grad], [lr]))
 
 
 for grad in (1e-2, 1e-6, 1e-7, 1e-8, 1e-12):
@@ -473,17 +480,6 @@ assert abs(first_adamw_step(1e-12) - 3e-7) < 1e-9       # 远小于 eps：与 g 
 # 所以一个 1e-7 的分量（可能只是舍入噪声）会让对应权重移动将近一整步，换一种求和顺序就可能翻转它的符号。各实验让学习率从 0 开始预热（`--warmup-steps 5`，大多数 Transformer 训练配方都这么做，实现在 `labkit.loop.learning_rate`）：第 1 步的学习率为 0，只用来填充 AdamW 的矩估计。设想一个权重：它第 1 步的梯度是舍入噪声，在一种求和顺序下是 +1e-7，换一种是 -1e-7；第 2 步的梯度才是真实的：
 
 # %%
-def adamw_steps(grads, lrs):
-    """One weight after AdamW steps with these gradients and learning rates."""
-    weight = torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.AdamW([weight], lr=lrs[0], weight_decay=0.0)
-    for grad, lr in zip(grads, lrs):
-        optimizer.param_groups[0]["lr"] = lr
-        weight.grad = torch.tensor([grad])
-        optimizer.step()
-    return weight.item()
-
-
 default = lab.parse_config([])
 schedules = {"no warmup": [default.lr] * 2,
              "warmup": [learning_rate(default, step) for step in (1, 2)]}
